@@ -1,0 +1,1 @@
+"""Triton fp8/int8 and 1-bit kernels with their torch autograd wrappers."""
