@@ -547,7 +547,8 @@ def _open_bin(src: str, path: Path, cache: Path) -> tuple[np.ndarray, int, str]:
     if size == 0:
         raise UserError(f"token file {src!r} is empty")
     with open(path, "rb") as f:
-        head = np.frombuffer(f.read(4 * LLMC_HEADER_INTS), dtype="<i4")
+        raw = f.read(4 * LLMC_HEADER_INTS)
+    head = np.frombuffer(raw[: len(raw) // 4 * 4], dtype="<i4")
     if len(head) and int(head[0]) in LLMC_FORMATS:
         version, dtype, vocab = LLMC_FORMATS[int(head[0])]
         if len(head) < LLMC_HEADER_INTS:
