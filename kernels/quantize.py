@@ -1,0 +1,229 @@
+"""Fused amax + cast quantization to fp8 (e4m3, e5m2) and int8, in one pass over memory.
+
+A quantized tensor is `(q, scale)` with `x ~= q * scale`; scales are fp32. Two layouts cover every operand
+of a linear layer's three matmuls (all of them contract along the last axis of both operands, which is the
+layout the tensor cores want):
+
+* `quantize_rows(x)`: q has x's shape [M, K]; one scale per row (`group=None`), or one per row and
+  128-element tile along K (`group=128`, scale shape [M, ceil(K/128)]). Optionally also returns the
+  per-column amax, gathered with atomics in the same pass, for the transposed copy below.
+* `quantize_cols_t(x)`: q is x transposed, [K, M]; one scale per column of x (from the column amax of a
+  previous `quantize_rows` pass), or one per column and 128-row tile (`group=128`, computed in this pass).
+
+Stochastic rounding (for gradients) adds uniform noise below the target precision before truncating, so the
+rounding is unbiased in expectation (TScale dithers its gradient quantization for the same reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A low-precision element type: its torch dtype, its largest finite value, and its mantissa bits."""
+
+    name: str
+    dtype: torch.dtype
+    max_value: float
+    mantissa_bits: int  # 0 for integers
+    min_normal_exp: int  # log2 of the smallest normal value (unused for integers)
+
+    @property
+    def is_int(self) -> bool:
+        return not self.dtype.is_floating_point
+
+
+FORMATS = {
+    "e4m3": QuantFormat("e4m3", torch.float8_e4m3fn, 448.0, 3, -6),
+    "e5m2": QuantFormat("e5m2", torch.float8_e5m2, 57344.0, 2, -14),
+    "int8": QuantFormat("int8", torch.int8, 127.0, 0, 0),
+}
+
+TILE = 128  # the fine-grained scale group (DeepSeek-V3 style 1x128 tiles)
+
+
+@triton.jit
+def _scale_and_cast(x, scale, offsets, seed, QMAX: tl.constexpr, IS_INT: tl.constexpr,
+                    MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr,
+                    OUT_DTYPE: tl.constexpr):
+    """x / scale rounded into OUT_DTYPE: to nearest (ties to even), or stochastically when STOCHASTIC.
+
+    The rounding is done here in fp32 so that the final cast is exact: the result then does not depend on
+    how a backend rounds fp32 -> fp8 (Triton 3.9's interpreter gets carries into the next binade wrong).
+    """
+    y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+    if STOCHASTIC:
+        noise = tl.rand(seed, offsets)
+    else:
+        noise = tl.full(y.shape, 0.5, tl.float32)
+    if IS_INT:
+        q = tl.where(y >= 0, tl.floor(y + noise), -tl.floor(-y + noise))
+    else:
+        # Normal range: keep MANTISSA_BITS of the fp32 mantissa. Adding half an ulp (ties to even) or a random
+        # fraction of one (stochastic) to the bit pattern, then clearing the dropped bits, rounds the magnitude.
+        drop: tl.constexpr = 23 - MANTISSA_BITS
+        low: tl.constexpr = (1 << drop) - 1
+        bits = y.to(tl.int32, bitcast=True)
+        if STOCHASTIC:
+            inc = (tl.randint(seed, offsets) & low).to(tl.int32, bitcast=True)
+        else:
+            inc = (low >> 1) + ((bits >> drop) & 1)
+        normal = ((bits + inc) & ~low).to(tl.float32, bitcast=True)
+        # Subnormal range: a fixed quantum of 2^(MIN_NORMAL_EXP - MANTISSA_BITS).
+        quantum: tl.constexpr = 2.0 ** (MIN_NORMAL_EXP - MANTISSA_BITS)
+        sub = tl.where(y >= 0, tl.floor(y / quantum + noise), -tl.floor(-y / quantum + noise)) * quantum
+        q = tl.where(tl.abs(y) < 2.0 ** MIN_NORMAL_EXP, sub, normal)
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    return q.to(OUT_DTYPE)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_sm,
+                          seed, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                          MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr, COL_AMAX: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask,
+                other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    amax = tl.max(ax, axis=1)
+    scale = tl.where(amax > 0, amax / QMAX, 1.0)
+    offsets = rows[:, None] * K + cols[None, :]
+    q = _scale_and_cast(x, scale[:, None], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, STOCHASTIC,
+                        q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + rows * stride_sm + pid_k, scale, mask=rows < M)
+    if COL_AMAX:
+        # amax >= 0, and non-negative floats order like their int32 bit patterns: an integer atomic max works.
+        col_amax = tl.max(ax, axis=0)
+        tl.atomic_max(colmax_ptr + cols, col_amax.to(tl.int32, bitcast=True), mask=cols < K)
+
+
+@triton.jit
+def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, stride_xk, stride_qk, stride_sk,
+                            seed, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                            MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr, TILE_SCALES: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask,
+                other=0.0).to(tl.float32)
+    if TILE_SCALES:
+        amax = tl.max(tl.abs(x), axis=0)
+    else:
+        amax = tl.load(colmax_ptr + cols, mask=cols < K, other=0).to(tl.float32, bitcast=True)
+    scale = tl.where(amax > 0, amax / QMAX, 1.0)
+    offsets = cols[None, :] * M + rows[:, None]
+    q = _scale_and_cast(x, scale[None, :], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, STOCHASTIC,
+                        q_ptr.dtype.element_ty)
+    tl.store(q_ptr + cols[None, :].to(tl.int64) * stride_qk + rows[:, None], q, mask=mask)
+    if TILE_SCALES:
+        tl.store(s_ptr + cols * stride_sk + pid_m, scale, mask=cols < K)
+    else:
+        if pid_m == 0:
+            tl.store(s_ptr + cols * stride_sk, scale, mask=cols < K)
+
+
+def _format(fmt: str | QuantFormat) -> QuantFormat:
+    return fmt if isinstance(fmt, QuantFormat) else FORMATS[fmt]
+
+
+def _seed(stochastic: bool) -> int:
+    return int(torch.randint(0, 2**31 - 1, (1,)).item()) if stochastic else 0
+
+
+def _check_group(group: int | None) -> None:
+    if group not in (None, TILE):
+        raise ValueError(f"group must be None (one scale per row) or {TILE}, got {group}")
+
+
+def quantize_rows(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None,
+                  stochastic: bool = False, col_amax: bool = False):
+    """Quantize a 2-D tensor with one scale per row (group=None) or per row and 128-wide tile (group=128).
+
+    Returns (q, scale) or, with col_amax=True, (q, scale, column_amax as an int32 view of fp32 values).
+    """
+    _check_group(group)
+    f = _format(fmt)
+    M, K = x.shape
+    if group is None:
+        block_k = triton.next_power_of_2(K)
+        if block_k > 16384:
+            raise ValueError(f"row-wise quantization holds a whole row on chip; K={K} is over 16384")
+    else:
+        block_k = TILE
+    block_m = max(1, min(64, 8192 // block_k))
+    n_groups = triton.cdiv(K, block_k)
+    q = torch.empty((M, K), dtype=f.dtype, device=x.device)
+    scale = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
+    colmax = torch.zeros(K if col_amax else 1, dtype=torch.int32, device=x.device)
+    grid = (triton.cdiv(M, block_m), n_groups)
+    _quantize_rows_kernel[grid](
+        x, q, scale, colmax, M, K, x.stride(0), x.stride(1), q.stride(0), scale.stride(0), _seed(stochastic),
+        QMAX=f.max_value, IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits,
+        MIN_NORMAL_EXP=f.min_normal_exp, STOCHASTIC=stochastic,
+        COL_AMAX=col_amax, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8 if block_m * block_k >= 4096 else 4)
+    if group is None:
+        scale = scale[:, 0]
+    return (q, scale, colmax) if col_amax else (q, scale)
+
+
+def quantize_cols_t(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None,
+                    stochastic: bool = False, col_amax: torch.Tensor | None = None):
+    """Quantize x [M, K] into its transpose [K, M], scaled per column of x (per row of the result).
+
+    group=None needs `col_amax` from `quantize_rows(x, col_amax=True)`; the scale has shape [K].
+    group=128 computes one scale per column and 128-row tile in this pass; the scale has shape
+    [K, ceil(M/128)].
+    """
+    _check_group(group)
+    f = _format(fmt)
+    M, K = x.shape
+    tiles = group is not None
+    if not tiles and col_amax is None:
+        raise ValueError("quantize_cols_t with one scale per column needs col_amax from quantize_rows")
+    q = torch.empty((K, M), dtype=f.dtype, device=x.device)
+    block_m, block_k = (TILE, 64) if tiles else (64, 64)
+    scale = torch.empty((K, triton.cdiv(M, TILE)) if tiles else (K, 1), dtype=torch.float32, device=x.device)
+    colmax = col_amax if col_amax is not None else scale
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    _quantize_cols_t_kernel[grid](
+        x, q, scale, colmax, M, K, x.stride(0), x.stride(1), q.stride(0), scale.stride(0), _seed(stochastic),
+        QMAX=f.max_value, IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits,
+        MIN_NORMAL_EXP=f.min_normal_exp, STOCHASTIC=stochastic,
+        TILE_SCALES=tiles, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
+    return q, (scale if tiles else scale[:, 0])
+
+
+def quantize_reference(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None):
+    """Plain-torch reference for `quantize_rows` (round to nearest): returns (q, scale)."""
+    f = _format(fmt)
+    M, K = x.shape
+    g = K if group is None else group
+    pad = (-K) % g
+    xp = torch.nn.functional.pad(x.double(), (0, pad)).view(M, -1, g)
+    amax = xp.abs().amax(dim=2)
+    scale = torch.where(amax > 0, amax / f.max_value, torch.ones_like(amax)).float()
+    y = (xp / scale.double()[:, :, None]).clamp(-f.max_value, f.max_value)
+    q = (y.round() if f.is_int else y).to(f.dtype).view(M, -1)[:, :K]
+    return q, (scale[:, 0] if group is None else scale)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """float64 value of a row-layout quantized tensor (q [M, K] with row or row-tile scales)."""
+    s = scale.double()
+    if group is None:
+        return q.double() * s[:, None]
+    return q.double() * s.repeat_interleave(group, dim=1)[:, : q.shape[1]]

@@ -1,0 +1,181 @@
+"""Quantize and scaled-GEMM kernels against float64 torch references.
+
+Without CUDA the real Triton kernels run under TRITON_INTERPRET=1 (set before Triton is first imported) at
+small sizes, including shapes that are not multiples of any block; with CUDA the same checks run compiled, and
+the `gpu` tests repeat them at model sizes.
+
+Error bounds (relative Frobenius norm unless said otherwise), from the formats' precision:
+* a quantized element is within half a unit in the last place: 2^-(m+1) relative for fp8 with m mantissa bits
+  (e4m3: 6.25%, e5m2: 12.5% worst case; ~2.5% / ~5% RMS on Gaussian data), half a step (amax/127/2) for int8;
+* the GEMM on already-quantized operands is exact products summed in fp32 (int32 for int8): <= 1e-5 against
+  float64, and bf16 output rounding (2^-9) when the output is bf16;
+* the GEMM against the unquantized float64 product: two quantization errors that add in quadrature,
+  < 6% for e4m3 and < 2% for int8 on Gaussian data.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tscale_p2p.kernels.gemm import scaled_mm, scaled_mm_reference  # noqa: E402
+from tscale_p2p.kernels.quantize import (  # noqa: E402
+    FORMATS,
+    TILE,
+    dequantize,
+    quantize_cols_t,
+    quantize_reference,
+    quantize_rows,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    assert not torch.isnan(out).any()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def element_bound(x: torch.Tensor, scale_per_element: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Largest allowed |dequantized - x| per element (round to nearest), with slack for fp32 division."""
+    f = FORMATS[fmt]
+    s = scale_per_element.double()
+    if f.is_int:
+        return 0.5 * s * (1 + 1e-5)
+    half_ulp = 2.0 ** -(f.mantissa_bits + 1)
+    return (half_ulp * x.abs().double() + s * 2.0 ** (f.min_normal_exp - f.mantissa_bits - 1)) * (1 + 1e-5)
+
+
+def check_quantized_rows(x, q, scale, fmt, group):
+    q_ref, s_ref = quantize_reference(x, fmt, group)
+    torch.testing.assert_close(scale, s_ref.to(scale.device), rtol=1e-6, atol=0)
+    # Same rounding as torch's float64 -> fp8/int8 cast; a rare tie can round differently after the fp32
+    # division, by one unit at most.
+    differ = (q.double().cpu() != q_ref.double())
+    assert differ.float().mean() <= 1e-3
+    deq = dequantize(q, scale, group).cpu()
+    s_full = scale.double().cpu()[:, None] if group is None else \
+        scale.double().cpu().repeat_interleave(group, dim=1)[:, : x.shape[1]]
+    err = (deq - x.double().cpu()).abs()
+    bound = element_bound(x.cpu(), s_full.expand_as(err), fmt)
+    if differ.any():  # a differing tie is one unit away: allow it only there
+        bound = torch.where(differ, 2 * bound, bound)
+    assert (err <= bound).all(), (err / bound).max()
+
+
+SHAPES = [(37, 300), (1, 5), (130, 257)]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "int8"])
+@pytest.mark.parametrize("group", [None, TILE])
+def test_quantize_rows_matches_reference(fmt, group):
+    torch.manual_seed(0)
+    for M, K in SHAPES:
+        x = torch.randn(M, K, device=DEVICE) * 3
+        x[0, : min(K, 7)] = 0.0  # a partly zero row, and an all-zero group when K is small
+        q, scale, col_amax = quantize_rows(x, fmt, group, col_amax=True)
+        assert q.dtype == FORMATS[fmt].dtype and q.shape == (M, K)
+        check_quantized_rows(x, q, scale, fmt, group)
+        assert torch.equal(col_amax.view(torch.float32), x.abs().amax(dim=0))
+
+
+def test_quantize_rows_reads_strided_bf16_and_zero_rows():
+    torch.manual_seed(1)
+    x = (torch.randn(300, 45, device=DEVICE) * 0.01).to(torch.bfloat16).T  # [45, 300], row stride 1
+    x[3] = 0
+    q, scale = quantize_rows(x, "e4m3")
+    check_quantized_rows(x.float(), q, scale, "e4m3", None)
+    assert scale[3] == 1.0 and (q[3].float() == 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "int8"])
+@pytest.mark.parametrize("group", [None, TILE])
+def test_quantize_cols_transposed_matches_reference(fmt, group):
+    torch.manual_seed(2)
+    for M, K in [(300, 37), (129, 70)]:
+        x = torch.randn(M, K, device=DEVICE)
+        col_amax = None if group else quantize_rows(x, fmt, col_amax=True)[2]
+        q_t, s_t = quantize_cols_t(x, fmt, group, col_amax=col_amax)
+        assert q_t.shape == (K, M)
+        check_quantized_rows(x.T.contiguous(), q_t, s_t, fmt, group)
+
+
+@pytest.mark.parametrize("fmt,value,low,high", [("e4m3", 134.4, 128.0, 144.0), ("int8", 38.1, 38.0, 39.0)])
+def test_stochastic_rounding_is_unbiased(fmt, value, low, high):
+    """Every 128-element tile holds one 1.0 (so amax is 1) and otherwise a value that scales to between two
+    representable points; round-to-nearest always picks the lower one, stochastic rounding averages to it."""
+    qmax = FORMATS[fmt].max_value
+    x = torch.full((8, 4096), value / qmax, device=DEVICE)
+    x[:, ::TILE] = 1.0
+    rest = torch.ones_like(x, dtype=torch.bool)
+    rest[:, ::TILE] = False
+    assert (quantize_rows(x, fmt)[0].double()[rest] == low).all()
+    sigma = (high - low) / 2 / rest.sum().item() ** 0.5
+    for q in (quantize_rows(x, fmt, stochastic=True)[0], quantize_rows(x, fmt, TILE, stochastic=True)[0],
+              quantize_cols_t(x.T.contiguous(), fmt, TILE, stochastic=True)[0]):
+        q = q.double()[rest]
+        assert ((q == low) | (q == high)).all()
+        assert abs(q.mean().item() - value) < 5 * sigma
+
+
+def quantized_pair(M, N, K, fmt, group, b_fmt=None):
+    a = torch.randn(M, K, device=DEVICE)
+    b = torch.randn(N, K, device=DEVICE)
+    a_q, s_a = quantize_rows(a, fmt, group)
+    b_q, s_b = quantize_rows(b, b_fmt or fmt, group)
+    return a, b, a_q, b_q, s_a, s_b
+
+
+@pytest.mark.parametrize("impl", ["pointer", "tma"])
+@pytest.mark.parametrize("fmt,group", [("e4m3", None), ("e4m3", TILE), ("int8", None), ("int8", TILE)])
+def test_scaled_mm_matches_reference(impl, fmt, group):
+    torch.manual_seed(3)
+    # TMA needs 16-byte aligned rows: K % 16 == 0 and, for the fp32 output, N % 4 == 0.
+    M, N, K = (70, 50, 300) if impl == "pointer" else (70, 56, 304)
+    a, b, a_q, b_q, s_a, s_b = quantized_pair(M, N, K, fmt, group)
+    c = scaled_mm(a_q, b_q, s_a, s_b, out_dtype=torch.float32, group=group, impl=impl)
+    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b, group)) <= 1e-5
+    assert rel_err(c, a.double() @ b.double().T) <= (0.06 if fmt == "e4m3" else 0.02)
+
+
+def test_scaled_mm_bf16_output_and_mixed_fp8_formats():
+    torch.manual_seed(4)
+    a, b, a_q, b_q, s_a, s_b = quantized_pair(33, 40, 100, "e5m2", None, b_fmt="e4m3")
+    c = scaled_mm(a_q, b_q, s_a, s_b, out_dtype=torch.bfloat16)
+    assert c.dtype == torch.bfloat16
+    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b)) <= 2.0**-8
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "int8"])
+def test_quantize_at_model_size(fmt):
+    torch.manual_seed(5)
+    x = torch.randn(4096, 3072, device="cuda", dtype=torch.bfloat16)
+    for group in (None, TILE):
+        q, scale, col_amax = quantize_rows(x, fmt, group, col_amax=True)
+        check_quantized_rows(x.float(), q, scale, fmt, group)
+    q_t, s_t = quantize_cols_t(x, fmt, col_amax=col_amax)
+    check_quantized_rows(x.float().T.contiguous(), q_t, s_t, fmt, None)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["pointer", "tma"])
+@pytest.mark.parametrize("fmt,group", [("e4m3", None), ("e4m3", TILE), ("int8", None)])
+def test_scaled_mm_at_model_size(impl, fmt, group):
+    torch.manual_seed(6)
+    M, N, K = 4096, 3072, 2048
+    a, b, a_q, b_q, s_a, s_b = quantized_pair(M, N, K, fmt, group)
+    c = scaled_mm(a_q, b_q, s_a, s_b, out_dtype=torch.float32, group=group, impl=impl)
+    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b, group)) <= 1e-5
+    assert rel_err(c, a.double() @ b.double().T) <= (0.06 if fmt == "e4m3" else 0.02)
+    # a shape that is no multiple of any block
+    a, b, a_q, b_q, s_a, s_b = quantized_pair(1000, 776, 1040, fmt, group)
+    c = scaled_mm(a_q, b_q, s_a, s_b, out_dtype=torch.bfloat16, group=group, impl=impl)
+    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b, group)) <= 2.0**-8
