@@ -116,10 +116,19 @@ def test_folder_skips_hidden_and_binary_files(tmp_path):
     assert b"secret" not in everything and b"gitstuff" not in everything and b"\0" not in everything
 
 
-def test_folder_with_one_file_splits_it_by_position(tmp_path):
-    write_docs(tmp_path / "d", {"only.txt": "0123456789" * 10})
+@pytest.mark.parametrize("name", ["only.txt", "only21.txt"])  # their path hashes fall on either side
+def test_folder_with_one_file_splits_it_by_position(tmp_path, name):
+    write_docs(tmp_path / "d", {name: "0123456789" * 10})
     corpus = load_corpus(str(tmp_path / "d"), cache_dir=tmp_path / "c")
     assert split_bytes(corpus) == ((b"0123456789" * 9), b"0123456789")
+
+
+def test_large_files_are_copied_in_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr("tscale_p2p.data._CHUNK_BYTES", 7)
+    make_folder(tmp_path / "docs")
+    chunked = load_corpus(str(tmp_path / "docs"), cache_dir=tmp_path / "c1")
+    monkeypatch.undo()
+    assert split_bytes(chunked) == split_bytes(load_corpus(str(tmp_path / "docs"), cache_dir=tmp_path / "c2"))
 
 
 def test_cache_is_reused_and_built_atomically(tmp_path):
@@ -353,7 +362,9 @@ def test_corpus_too_small_for_the_context_is_refused(tmp_path):
     with pytest.raises(UserError, match="train split has 900 tokens, too few for context 900"):
         corpus.batches("train", 2, 900)
     with pytest.raises(UserError, match="val split has 100 tokens.*context 128"):
-        list(corpus.eval_batches(2, 128, 1))
+        corpus.eval_batches(2, 128, 1)
+    with pytest.raises(UserError, match="val split has 100 tokens.*context 128"):
+        corpus.check_context(128)
 
 
 def test_val_fraction_outside_zero_one_is_refused(tmp_path):

@@ -72,6 +72,7 @@ LLMC_HEADER_INTS = 256
 LLMC_FORMATS = {20240520: (1, np.uint16, 50257), 20240801: (7, np.uint32, 128256)}
 _CACHE_FORMAT = 1
 _SNIFF_BYTES = 8192
+_CHUNK_BYTES = 1 << 24  # files are copied into the cache in pieces this big, never read whole
 _SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -179,14 +180,19 @@ class Corpus:
         """The same windows every call: ``num_batches * batch_size`` windows spread evenly over the
         split, or, with ``num_batches=None``, every non-overlapping window once."""
         stream = self.stream(split)
-        stream.check_context(context)
+        stream.check_context(context)  # here, not on the first next(): a bad size fails at the call
         last_start = len(stream) - context - 1
         if num_batches is None:
             starts = np.arange(0, last_start + 1, context, dtype=np.int64)
         else:
             starts = np.linspace(0, last_start, num_batches * batch_size).round().astype(np.int64)
-        for i in range(0, len(starts), batch_size):
-            yield stream.windows(starts[i : i + batch_size], context, device)
+        return (stream.windows(starts[i : i + batch_size], context, device) for i in range(0, len(starts), batch_size))
+
+    def check_context(self, context: int) -> None:
+        """Raise `UserError` unless both splits hold at least ``context + 1`` tokens (call it at start-up,
+        so a too-small val split fails before training rather than at the first evaluation)."""
+        self.train.check_context(context)
+        self.val.check_context(context)
 
     def bits_per_byte(self, nats_per_token: float) -> float | None:
         if self.bytes_per_token is None:
@@ -256,10 +262,8 @@ def _load_folder(src: str, root: Path, cache: Path, val_fraction: float) -> Corp
         p for p in _walk(root, lambda d: not d.startswith(".")) if not p.name.startswith(".") and p.is_file()
     )
     key = _key_of_files("folder", str(root.resolve()), root, files, val_fraction)
-    documents = ((p.relative_to(root).as_posix(), p.read_bytes()) for p in files)
-    text_documents = ((name, data) for name, data in documents if data and b"\0" not in data[:_SNIFF_BYTES])
     return _cached_byte_corpus(
-        src, f"{root}", cache / key, text_documents, val_fraction,
+        src, f"{root}", cache / key, _file_documents(root, files), val_fraction,
         empty_message=f"data folder {src!r} holds no text files", total_bytes=sum(p.stat().st_size for p in files),
     )
 
@@ -268,9 +272,9 @@ def _load_stdlib(cache: Path, val_fraction: float) -> Corpus:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in _walk(root, lambda d: d not in _SKIPPED_STDLIB_DIRS) if p.suffix == ".py")
     key = _key_of_files("stdlib", sys.version, root, files, val_fraction)
-    documents = ((p.relative_to(root).as_posix(), p.read_bytes()) for p in files)
     return _cached_byte_corpus(
-        "stdlib", f"Python {sys.version.split()[0]} standard library ({root})", cache / key, documents,
+        "stdlib", f"Python {sys.version.split()[0]} standard library ({root})", cache / key,
+        _file_documents(root, files),
         val_fraction, empty_message=f"no .py files found in the standard library at {root}",
         total_bytes=sum(p.stat().st_size for p in files),
     )
@@ -281,6 +285,16 @@ def _walk(root: Path, keep_dir) -> Iterator[Path]:
         dirs[:] = sorted(d for d in dirs if keep_dir(d))
         for name in names:
             yield Path(folder) / name
+
+
+def _file_documents(root: Path, files: list[Path]) -> Iterator[tuple[str, Iterator[bytes]]]:
+    """(relative path, its bytes in chunks) for each text file: empty files and ones with a NUL byte
+    near the start (binaries) are skipped. Each file's chunks must be read before asking for the next."""
+    for path in files:
+        with open(path, "rb") as f:
+            head = f.read(_CHUNK_BYTES)
+            if head and b"\0" not in head[:_SNIFF_BYTES]:
+                yield path.relative_to(root).as_posix(), _chain(head, iter(lambda: f.read(_CHUNK_BYTES), b""))
 
 
 def _key_of_files(kind: str, identity: str, root: Path, files: list[Path], val_fraction: float) -> str:
@@ -312,7 +326,7 @@ def _load_hf(src: str, cache: Path, val_fraction: float) -> Corpus:
     local = Path(name).expanduser()
     if local.is_dir():
         files = sorted(p for p in _walk(local, lambda d: not d.startswith(".")) if p.is_file())
-        key = _key_of_files("hf", json.dumps(settings), local, files, val_fraction)
+        key = _key_of_files("hf", json.dumps([str(local.resolve()), settings]), local, files, val_fraction)
     else:
         key = _key_of_files("hf", json.dumps([name, settings]), Path("."), [], val_fraction)
     target = cache / key
@@ -339,7 +353,7 @@ def _open_hf(src: str, name: str, settings: dict):
         raise UserError(f"cannot open Hugging Face dataset {src!r}: {first_line}") from None
 
 
-def _hf_documents(src: str, rows: Iterator[dict], column: str, max_tokens: int | None) -> Iterator[tuple[str, bytes]]:
+def _hf_documents(src: str, rows: Iterator[dict], column: str, max_tokens: int | None) -> Iterator[tuple[str, list[bytes]]]:
     written = 0
     for index, row in enumerate(rows):
         if column not in row:
@@ -351,13 +365,13 @@ def _hf_documents(src: str, rows: Iterator[dict], column: str, max_tokens: int |
             raise UserError(f"{src!r}: column {column!r} holds {type(text).__name__}, not text (add :column=NAME)")
         data = text.encode("utf-8")
         if data:
-            yield str(index), data
+            yield str(index), [data]
             written += len(data)
         if max_tokens is not None and written >= max_tokens:
             return
 
 
-def _cached_byte_corpus(src: str, what: str, target: Path, documents: Iterator[tuple[str, bytes]],
+def _cached_byte_corpus(src: str, what: str, target: Path, documents: Iterator[tuple[str, Iterable[bytes]]],
                         val_fraction: float, *, empty_message: str, total_bytes: int | None) -> Corpus:
     if not _cache_is_complete(target):
         # Pull the first document before touching the disk, so a source with no text changes nothing.
@@ -409,7 +423,7 @@ def _in_val(doc_key: str, val_fraction: float) -> bool:
     return h < val_fraction * 2**64
 
 
-def _build_cache(target: Path, documents: Iterator[tuple[str, bytes]], val_fraction: float, what: str,
+def _build_cache(target: Path, documents: Iterator[tuple[str, Iterable[bytes]]], val_fraction: float, what: str,
                  total_bytes: int | None) -> None:
     """Write the two splits into a temporary folder, then rename it to `target` in one step."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -422,12 +436,13 @@ def _build_cache(target: Path, documents: Iterator[tuple[str, bytes]], val_fract
         starts = {s: array("q") for s in ("train", "val")}
         sizes = {"train": 0, "val": 0}
         with _SlowJobProgress(f"tokenizing {what}", total_bytes) as progress:
-            for doc_key, data in documents:
+            for doc_key, chunks in documents:
                 split = "val" if _in_val(doc_key, val_fraction) else "train"
                 starts[split].append(sizes[split])
-                files[split].write(data)
-                sizes[split] += len(data)
-                progress.advance(len(data))
+                for chunk in chunks:
+                    files[split].write(chunk)
+                    sizes[split] += len(chunk)
+                    progress.advance(len(chunk))
         _balance_splits(files, starts, sizes, val_fraction, what)
         for split, f in files.items():
             f.flush()
@@ -456,24 +471,29 @@ def _balance_splits(files: dict, starts: dict, sizes: dict, val_fraction: float,
         if sizes[empty] or not sizes[full]:
             continue
         if len(starts[full]) >= 2:
-            begin = starts[full].pop()
-            files[full].seek(begin)
-            files[empty].write(files[full].read())
-            files[full].truncate(begin)
+            _move_tail(files, sizes, full, empty, starts[full].pop())
             starts[empty].append(0)
-            sizes[empty], sizes[full] = sizes[full] - begin, begin
-            continue
-        # One document in all: first part train, the rest val, as for a single text file.
-        files[full].seek(0)
-        data = files[full].read()
-        cut = int(len(data) * (1 - val_fraction))
-        if cut == 0 or cut == len(data):
-            raise UserError(f"{what} ({len(data)} bytes) is too small to split into train and val")
-        for split, part in (("train", data[:cut]), ("val", data[cut:])):
-            files[split].seek(0)
-            files[split].truncate()
-            files[split].write(part)
-            starts[split], sizes[split] = array("q", [0]), len(part)
+            return
+        # One document in all: its first part trains, the rest is val, as for a single text file.
+        if full == "val":
+            _move_tail(files, sizes, "val", "train", 0)
+            starts["train"], starts["val"] = starts["val"], array("q")
+        cut = int(sizes["train"] * (1 - val_fraction))
+        if cut == 0 or cut == sizes["train"]:
+            raise UserError(f"{what} ({sizes['train']} bytes) is too small to split into train and val")
+        _move_tail(files, sizes, "train", "val", cut)
+        starts["val"].append(0)
+        return
+
+
+def _move_tail(files: dict, sizes: dict, src: str, dst: str, begin: int) -> None:
+    """Append bytes ``begin:`` of split `src` to split `dst`, then cut them from `src`."""
+    files[src].seek(begin)
+    files[dst].seek(sizes[dst])
+    shutil.copyfileobj(files[src], files[dst], _CHUNK_BYTES)
+    files[src].truncate(begin)
+    sizes[dst] += sizes[src] - begin
+    sizes[src] = begin
 
 
 class _SlowJobProgress:
