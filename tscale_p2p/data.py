@@ -175,8 +175,10 @@ class Corpus:
                 device: torch.device | str = "cpu") -> WindowSampler:
         return WindowSampler(self.stream(split), batch_size, context, seed=seed, device=device)
 
-    def eval_batches(self, batch_size: int, context: int, num_batches: int | None = None,
-                     device: torch.device | str = "cpu", split: str = "val") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(
+        self, batch_size: int, context: int, num_batches: int | None = None,
+        device: torch.device | str = "cpu", split: str = "val",
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The same windows every call: ``num_batches * batch_size`` windows spread evenly over the
         split, or, with ``num_batches=None``, every non-overlapping window once."""
         stream = self.stream(split)
@@ -311,7 +313,9 @@ def _load_hf(src: str, cache: Path, val_fraction: float) -> Corpus:
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or key not in settings or not value:
-            raise UserError(f"bad option {option!r} in {src!r}: use hf:NAME[:key=value]... with keys {', '.join(settings)}")
+            raise UserError(
+                f"bad option {option!r} in {src!r}: use hf:NAME[:key=value]... with keys {', '.join(settings)}"
+            )
         settings[key] = value
     if not name:
         raise UserError(f"{src!r} names no dataset: use hf:NAME, e.g. hf:roneneldan/TinyStories")
@@ -353,11 +357,14 @@ def _open_hf(src: str, name: str, settings: dict):
         raise UserError(f"cannot open Hugging Face dataset {src!r}: {first_line}") from None
 
 
-def _hf_documents(src: str, rows: Iterator[dict], column: str, max_tokens: int | None) -> Iterator[tuple[str, list[bytes]]]:
+def _hf_documents(
+    src: str, rows: Iterator[dict], column: str, max_tokens: int | None
+) -> Iterator[tuple[str, list[bytes]]]:
     written = 0
     for index, row in enumerate(rows):
         if column not in row:
-            raise UserError(f"{src!r}: no column {column!r}; columns are {', '.join(map(repr, row))} (add :column=NAME)")
+            columns = ", ".join(map(repr, row))
+            raise UserError(f"{src!r}: no column {column!r}; columns are {columns} (add :column=NAME)")
         text = row[column]
         if text is None:
             continue
