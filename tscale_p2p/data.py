@@ -19,7 +19,8 @@ One string names a source (the ``--data`` flag):
     magic 20240801, version 7, uint32 tokens). Memory-mapped, no copy. When a sibling file named with
     ``val`` in place of the last ``train`` exists (``train.bin``/``val.bin``), it is the val split;
     otherwise the last ``val_fraction`` of the tokens is. The tokenizer is unknown, so bits per byte
-    are not reported (`Corpus.bytes_per_token` is None).
+    are not reported (`Corpus.bytes_per_token` is None). `Corpus.vocab_size` is the tokenizer's for
+    llm.c files (50257, 128256) and the largest id + 1 for raw ones (scanned once, noted in the cache).
 ``hf:NAME[:key=value]...``
     A Hugging Face dataset through ``datasets`` (streamed; NAME may also be a local folder of data
     files). Keys: ``config``, ``split`` (default ``train``), ``column`` (default ``text``),
@@ -34,13 +35,15 @@ folder written under a temporary name and renamed into place, so a crash never l
 Use::
 
     corpus = load_corpus("stdlib")                  # or a path, "x.bin", "hf:NAME:column=text"
+    corpus.check_context(context)                   # both splits long enough, else UserError
     batches = corpus.batches("train", batch_size, context, seed=peer_seed, device=device)
     x, y = next(batches)                            # LongTensor [B, T]; y is x shifted left by one
     state = batches.state_dict()                    # JSON-able; load_state_dict(state) resumes exactly
     for x, y in corpus.eval_batches(batch_size, context, num_batches, device): ...
     bpb = corpus.bits_per_byte(val_loss_nats)       # None when the tokenizer is unknown
 
-Every bad input raises `UserError` with one line naming the bad value, before anything is written.
+Every bad input raises `UserError` with one line naming the bad value, before anything is written
+(a bad row met halfway through a stream discards the half-built cache entry).
 """
 
 from __future__ import annotations
