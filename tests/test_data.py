@@ -220,6 +220,7 @@ def test_nanogpt_raw_bin_with_val_sibling(tmp_path):
     assert corpus.vocab_size == 4322  # largest id + 1 over both files
     assert corpus.bytes_per_token is None and corpus.bits_per_byte(1.0) is None and corpus.tokenizer is None
     assert "unknown" in corpus.description
+    assert len(list((tmp_path / "c" / "data").glob("maxid-*.json"))) == 2  # the scans are remembered
 
 
 def test_llmc_bin_header_is_read(tmp_path):
