@@ -1,0 +1,440 @@
+"""`SwarmAverager`: averages a pseudo-gradient with whoever is ready, at about one bit per value each way.
+
+One round, seen from a peer (all of it in the averager's child process, after hivemind matchmaking):
+
+1. **Send, with error feedback.** The peer packs `pseudo_gradient + residual` to signs and block scales
+   (`OneBitCodec`) and keeps in `residual` what did not fit; the residual lives in shared memory so it
+   survives from round to round across the process boundary.
+2. **Reduce, with validation.** hivemind's butterfly all-reduce makes each peer the reducer of one span.
+   A reducer decodes every contribution and drops the sender for the round if it is not a well-formed 1-bit
+   tensor of the expected shape, is not finite, carries a non-positive weight, or has a norm above
+   `max_norm_ratio` times the reducer's own part. Weights are the tokens each peer processed.
+3. **Return, with error feedback too.** hivemind would send every sender `mean - its own part`, compressed
+   again, which differs per sender. Instead the reducer packs `mean + reducer_residual` once, keeps what did
+   not fit in its own residual for that span, and sends the same bytes to everyone: the return trip is
+   ~1 bit per value as well, and every peer of the group decodes the very same average.
+
+A span whose reducer fails or sends something invalid contributes zero for that round (identically on every
+peer that lost it); if the whole round fails, the sender's residual is rolled back, so nothing is lost.
+
+Usage (host process)::
+
+    averager = SwarmAverager(template_tensors, dht, prefix=f"{run_id}_grad", start=True)
+    pending = averager.start_round(pseudo_gradient, tokens=tokens_this_round)   # returns at once
+    ...                                                                         # keep training
+    outcome = pending.result()          # RoundOutcome; outcome.averaged is None when nobody joined
+    averager.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import CompressionInfo, TensorRole
+from hivemind.dht import DHT
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
+
+from tscale_p2p.kernels.onebit import error_feedback_pack, unpack
+from tscale_p2p.peers.codec import ONEBIT_COMPRESSION_TYPE, OneBitCodec
+
+logger = logging.getLogger(__name__)
+
+_SENT, _RECEIVED = 0, 1
+
+
+class InvalidContributionError(ValueError):
+    """A tensor part from a peer that must not enter the average."""
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one averaging round produced, as seen by this peer."""
+
+    averaged: Optional[list[torch.Tensor]]  # the group's weighted mean; None: averaged with nobody
+    group_size: int  # peers in the group, this one included (1 when alone)
+    group_tokens: float  # sum of the tokens the group's peers declared
+    bytes_sent: int  # tensor bytes this peer put on the wire during the round (protobuf level)
+    bytes_received: int
+    seconds: float  # from start_round to the end of the all-reduce
+    error: Optional[str] = None  # why the round failed, when it did
+
+
+class PendingRound:
+    """A round running in the background; `result()` waits for it. Returned by `SwarmAverager.start_round`."""
+
+    def __init__(self, averager: "SwarmAverager", control: StepControl, traffic_before: tuple[int, int]):
+        self._averager, self._control, self._traffic_before = averager, control, traffic_before
+        self._started = time.perf_counter()
+        self._outcome: Optional[RoundOutcome] = None
+
+    def done(self) -> bool:
+        return self._control.done()
+
+    def result(self, timeout: Optional[float] = None) -> RoundOutcome:
+        """Wait for the round (at most `timeout` s; TimeoutError after that). Never raises for network failures."""
+        if self._outcome is None:
+            averaged, group_size, group_tokens, error = None, 1, 0.0, None
+            try:
+                gathered = self._control.result(timeout=timeout)
+            except Exception as e:
+                if not self._control.done():
+                    raise  # our wait timed out; the round goes on
+                # nobody to average with, or the all-reduce failed: the caller goes alone
+                error = f"{type(e).__name__}: {e}"
+            else:
+                averaged = self._averager._read_result()
+                group_size = len(gathered)
+                group_tokens = float(sum(info["tokens"] for info in gathered.values()))
+            sent, received = self._averager.traffic()
+            self._outcome = RoundOutcome(
+                averaged=averaged,
+                group_size=group_size,
+                group_tokens=group_tokens,
+                bytes_sent=sent - self._traffic_before[_SENT],
+                bytes_received=received - self._traffic_before[_RECEIVED],
+                seconds=time.perf_counter() - self._started,
+                error=error,
+            )
+            self._averager._pending = None
+        return self._outcome
+
+
+class SwarmAverager(DecentralizedAverager):
+    """Averages a pseudo-gradient with the peers that are ready, 1-bit each way with error feedback.
+
+    :param template: tensors with the shapes to average (e.g. the model's parameters); only shapes are used
+    :param dht: a running `hivemind.DHT`
+    :param prefix: DHT key prefix for matchmaking, namespaced by run (no dots)
+    :param matchmaking_time: how long a round waits to gather peers before averaging with those present
+    :param round_timeout: a round that has found no group after this many seconds gives up (caller goes alone)
+    :param allreduce_timeout: bound on the all-reduce itself once a group is formed
+    :param next_chunk_timeout: a peer silent for this long during the all-reduce is dropped from the round
+    :param target_group_size: None (default) puts the whole swarm in one group: hivemind marks splitting into
+      groups as incorrect for this use, so only set it when it is at least the swarm size
+    :param codec: the 1-bit codec (its block size travels on the wire)
+    :param max_norm_ratio: a contribution whose part norm exceeds this multiple of the reducer's own is dropped
+    :param state_source: called (in this process) when a joiner downloads state: returns (metadata, tensors);
+      state sharing is on exactly when this is given
+    :param kwargs: passed to `hivemind.averaging.DecentralizedAverager` (e.g. client_mode, bandwidth)
+    """
+
+    def __init__(
+        self,
+        template: Sequence[torch.Tensor],
+        dht: DHT,
+        *,
+        prefix: str,
+        matchmaking_time: float = 5.0,
+        round_timeout: float = 30.0,
+        allreduce_timeout: float = 60.0,
+        next_chunk_timeout: float = 10.0,
+        request_timeout: Optional[float] = None,
+        target_group_size: Optional[int] = None,
+        codec: Optional[OneBitCodec] = None,
+        max_norm_ratio: float = 100.0,
+        state_source: Optional[Callable[[], tuple[Any, Sequence[torch.Tensor]]]] = None,
+        start: bool = True,
+        **kwargs,
+    ):
+        if kwargs.get("auxiliary"):
+            raise ValueError("auxiliary averagers are not supported: every peer contributes a pseudo-gradient")
+        self.codec = codec or OneBitCodec()
+        if not isinstance(self.codec, OneBitCodec):
+            raise TypeError(f"codec must be a OneBitCodec, got {type(self.codec).__name__}")
+        part_size_bytes = kwargs.pop("part_size_bytes", 2**17)
+        if (part_size_bytes * 8) % self.codec.block_size:  # parts must hold whole blocks (see OneBitCodec)
+            raise ValueError(f"part_size_bytes={part_size_bytes} does not hold a whole number of blocks")
+        self.round_timeout, self.max_norm_ratio = round_timeout, max_norm_ratio
+        self._state_source = state_source
+
+        sizes = [t.numel() for t in template]
+        self._flat = torch.zeros(sum(sizes)).share_memory_()  # pseudo-gradient in, average out
+        self._sender_residual = torch.zeros_like(self._flat).share_memory_()
+        self._reducer_residual = torch.zeros_like(self._flat).share_memory_()
+        self._traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
+        tensors = [view.view(t.shape) for view, t in zip(self._flat.split(sizes), template)]
+        self._pending: Optional[PendingRound] = None
+
+        request_timeout = request_timeout if request_timeout is not None else min(3.0, matchmaking_time / 2)
+        super().__init__(
+            tensors,
+            dht,
+            start=False,
+            prefix=prefix,
+            target_group_size=target_group_size,
+            min_matchmaking_time=matchmaking_time,
+            request_timeout=request_timeout,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            compression=self.codec,
+            part_size_bytes=part_size_bytes,
+            tensor_infos=[
+                CompressionInfo.from_tensor(t, key=i, role=TensorRole.GRADIENT) for i, t in enumerate(tensors)
+            ],
+            allow_state_sharing=kwargs.pop("allow_state_sharing", state_source is not None),
+            **kwargs,
+        )
+        if start:
+            self.run_in_background(await_ready=True)
+
+    # ---- host process: the swarm loop's API ----
+
+    def start_round(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float) -> PendingRound:
+        """Begin averaging `pseudo_gradient` (weights at round start minus weights now) in the background.
+
+        `tokens` (> 0) is this peer's weight. The tensors are copied, so training may continue at once. Raises
+        ValueError for a pseudo-gradient that is not finite or does not match the template, and RuntimeError
+        while the previous round is still pending.
+        """
+        if self._pending is not None:
+            raise RuntimeError("the previous round is still pending: call result() on it first")
+        if not (math.isfinite(tokens) and tokens > 0):
+            raise ValueError(f"tokens must be a positive number, got {tokens}")
+        with self.get_tensors() as buffers:
+            if len(pseudo_gradient) != len(buffers):
+                raise ValueError(f"expected {len(buffers)} tensors, got {len(pseudo_gradient)}")
+            for buffer, tensor in zip(buffers, pseudo_gradient):
+                if tensor.shape != buffer.shape:
+                    raise ValueError(f"pseudo-gradient shape {tuple(tensor.shape)} != {tuple(buffer.shape)}")
+                buffer.copy_(tensor.detach())
+            if not bool(torch.isfinite(self._flat).all()):
+                raise ValueError("pseudo-gradient has non-finite values; refusing to send it")
+        traffic_before = self.traffic()
+        control = self.step(
+            gather=dict(tokens=float(tokens)), weight=float(tokens), timeout=self.round_timeout, wait=False
+        )
+        self._pending = PendingRound(self, control, traffic_before)
+        return self._pending
+
+    def average(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float) -> RoundOutcome:
+        """`start_round(...).result()`: one blocking round."""
+        return self.start_round(pseudo_gradient, tokens).result()
+
+    def traffic(self) -> tuple[int, int]:
+        """Total (bytes sent, bytes received) of tensor data in all rounds so far."""
+        sent, received = self._traffic.tolist()
+        return int(sent), int(received)
+
+    def residual_norm(self) -> float:
+        """L2 norm of what this peer still owes the swarm (error feedback); a health metric."""
+        return float(self._sender_residual.norm())
+
+    def get_current_state(self):
+        if self._state_source is None:
+            raise RuntimeError("this averager has no state_source to share")
+        return self._state_source()
+
+    def _read_result(self) -> list[torch.Tensor]:
+        with self.get_tensors() as buffers:
+            return [buffer.clone() for buffer in buffers]
+
+    # ---- averager process ----
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs
+    ):
+        """Replace `tensors` (this peer's pseudo-gradient) by the group's 1-bit average, or raise and change nothing."""
+        group_id = group_info.group_id if group_id is None else group_id
+        loop = asyncio.get_running_loop()
+        sent = await loop.run_in_executor(None, self._pack_with_error_feedback, tensors)
+        try:
+            runner = _OneBitAllReduceRunner(
+                p2p=self._p2p,
+                servicer_type=type(self),
+                prefix=self.prefix,
+                tensors=sent,
+                group_id=group_id,
+                ordered_peer_ids=group_info.peer_ids,
+                codec=self.codec,
+                reducer_residual=self._reducer_residual,
+                max_norm_ratio=self.max_norm_ratio,
+                traffic=self._traffic,
+                **kwargs,
+            )
+            self._running_groups[group_id].set_result(runner)
+            averaged = [tensor async for tensor in runner]
+        except BaseException:
+            self._undo_error_feedback(tensors, sent)
+            raise
+        for tensor, average in zip(tensors, averaged):
+            tensor.copy_(average)
+
+    def _pack_with_error_feedback(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What this peer sends: 1-bit `tensor + residual`, decoded; the residual keeps the difference.
+
+        Packed per tensor, so blocks start where hivemind's parts start (see OneBitCodec) and the codec sends
+        these values exactly.
+        """
+        sent = torch.empty_like(self._flat)
+        block = self.codec.block_size
+        for tensor, residual, out in zip(tensors, self._split(self._sender_residual), self._split(sent)):
+            signs, scales = error_feedback_pack(tensor, residual, block)
+            out.copy_(unpack(signs, scales, tensor.numel(), block).view(tensor.shape))
+        return self._split(sent)
+
+    def _undo_error_feedback(self, tensors: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> None:
+        # The round failed, so nothing was sent: restore the residual to its value before packing.
+        for tensor, residual, out in zip(tensors, self._split(self._sender_residual), sent):
+            residual.add_(out).sub_(tensor)
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat buffer shaped like the averaged tensors."""
+        shapes = [t.shape for t in self._averaged_tensors]
+        return [view.view(shape) for view, shape in zip(flat.split([s.numel() for s in shapes]), shapes)]
+
+
+class _OneBitAllReduceRunner(AllReduceRunner):
+    """hivemind's butterfly all-reduce with validated inputs and a shared, error-fed 1-bit return trip.
+
+    Outputs are the averaged values themselves (hivemind's runner yields deltas); a failed reducer's span is
+    zero. `tensors` must be views of one flat buffer: a part's storage offset is then its position in the
+    model, which indexes the reducer residual whichever span this peer reduces in a round.
+    """
+
+    def __init__(
+        self,
+        *,
+        codec: OneBitCodec,
+        reducer_residual: torch.Tensor,
+        max_norm_ratio: float,
+        traffic: torch.Tensor,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.codec, self.reducer_residual, self.max_norm_ratio, self.traffic = (
+            codec, reducer_residual, max_norm_ratio, traffic
+        )
+        self._own_norms = [float(part.norm()) for part in self.parts_for_local_averaging]
+        self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
+        self._sent_shapes: dict[int, list[torch.Size]] = {}  # peer index -> shapes of the parts we sent it
+
+    # -- reducer side --
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
+        loop = asyncio.get_running_loop()
+        sender = self.sender_peer_ids[sender_index]
+        part_index, weight = 0, None
+        try:
+            async for message in stream:
+                self.traffic[_RECEIVED] += message.ByteSize()
+                if weight is None:  # hivemind repeats the weight in every message; the first one counts
+                    weight = message.weight
+                    if not (math.isfinite(weight) and weight > 0):
+                        raise InvalidContributionError(f"weight {weight}")
+                part = await loop.run_in_executor(None, self._decode_contribution, message.tensor_part, part_index)
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight)
+                except BannedException:
+                    break  # dropped in the background (silent for too long)
+                reply, _ = await self._reply_for(part_index, averaged)
+                self.traffic[_SENT] += reply.ByteSize()
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply)
+                part_index += 1
+        except InvalidContributionError as e:
+            logger.warning("dropping %s from this round: part %d is invalid (%s)", sender, part_index, e)
+            raise
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(sender)
+
+    def _decode_contribution(self, serialized: runtime_pb2.Tensor, part_index: int) -> torch.Tensor:
+        if part_index >= len(self.parts_for_local_averaging):
+            raise InvalidContributionError("more parts than this span has")
+        expected = self.parts_for_local_averaging[part_index]
+        part = _decode_onebit(self.codec, serialized, expected.shape)
+        norm, own = float(part.norm()), self._own_norms[part_index]
+        if own > 0 and norm > self.max_norm_ratio * own:
+            raise InvalidContributionError(f"norm {norm:.3g} is over {self.max_norm_ratio}x this peer's {own:.3g}")
+        return part
+
+    def _reply_for(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
+        """The one message every sender gets for this part (computed by whichever sender asks first)."""
+        if part_index not in self._replies:
+            loop = asyncio.get_running_loop()
+            self._replies[part_index] = loop.run_in_executor(None, self._compress_reduced, part_index, averaged)
+        return self._replies[part_index]
+
+    def _compress_reduced(self, part_index: int, averaged: torch.Tensor) -> tuple[runtime_pb2.Tensor, torch.Tensor]:
+        start = self.parts_for_local_averaging[part_index].storage_offset()
+        residual = self.reducer_residual[start : start + averaged.numel()]
+        message = self.codec.compress_with_residual(averaged, residual)
+        if not bool(torch.isfinite(residual).all()):
+            residual.zero_()  # never let one overflow poison this span for all later rounds
+            raise AllreduceException(f"the average of part {part_index} overflowed")
+        return message, self.codec.extract(message)
+
+    # -- sender side --
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        try:
+            if peer_id == self.peer_id:
+                await self._reduce_own_parts(peer_index)
+            else:
+                await self._exchange_with_reducer(peer_id, peer_index)
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.info("no average from %s for its span this round: %r", peer_id, e)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _reduce_own_parts(self, peer_index: int) -> None:
+        sender_index = self.sender_peer_ids.index(self.peer_id)
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, self.weight)
+            _, decoded = await self._reply_for(part_index, averaged)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
+
+    async def _exchange_with_reducer(self, peer_id: PeerID, peer_index: int) -> None:
+        loop = asyncio.get_running_loop()
+        done_sending = asyncio.Event()
+        outgoing = attach_event_on_finished(self._count_outgoing(peer_index), done_sending)
+        stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(outgoing)
+        if self.should_delay_results(self.peer_id):
+            await done_sending.wait()
+        part_index = 0
+        async for message in aiter_with_timeout(stream, self.reducer_timeout):
+            self.traffic[_RECEIVED] += message.ByteSize()
+            if message.code != averaging_pb2.AVERAGED_PART:
+                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+            # A reply always follows the part it answers, so that part's shape is already recorded.
+            expected = self._sent_shapes[peer_index][part_index]
+            averaged = await loop.run_in_executor(None, _decode_onebit, self.codec, message.tensor_part, expected)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+            part_index += 1
+        if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
+            raise AllreduceException(f"{peer_id} answered {part_index} parts instead of all")
+
+    async def _count_outgoing(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        shapes = self._sent_shapes.setdefault(peer_index, [])
+        async for message in self._generate_input_for_peer(peer_index):
+            shapes.append(torch.Size(message.tensor_part.size))
+            self.traffic[_SENT] += message.ByteSize()
+            yield message
+
+
+def _decode_onebit(codec: OneBitCodec, serialized: runtime_pb2.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Decode a part from another peer, or raise InvalidContributionError: anything else may be hostile."""
+    if serialized.compression != ONEBIT_COMPRESSION_TYPE:
+        raise InvalidContributionError(f"compression type {serialized.compression} is not 1-bit")
+    if serialized.dtype != "float32":
+        raise InvalidContributionError(f"dtype {serialized.dtype!r} is not float32")
+    if torch.Size(serialized.size) != shape:
+        raise InvalidContributionError(f"shape {tuple(serialized.size)} != expected {tuple(shape)}")
+    try:
+        return codec.extract(serialized)  # checks that the bytes fit the shape and the scales are finite
+    except ValueError as e:
+        raise InvalidContributionError(str(e)) from e
