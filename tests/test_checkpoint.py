@@ -184,17 +184,19 @@ def test_keeps_the_last_k(tmp_path):
         save(tmp_path, model, optimizer, step=600, keep=0)
 
 
-def test_saving_an_existing_step_moves_the_old_one_aside(tmp_path):
+def test_saving_a_step_again_adds_a_newer_checkpoint_and_replaces_nothing(tmp_path):
     model, optimizer = trained(steps=1)
     first = save(tmp_path, model, optimizer, step=10)
     first_files = tree(first)
     train(model, optimizer, 1)
     second = save(tmp_path, model, optimizer, step=10)
-    assert second == first
+    assert second == tmp_path / "step-00000010.1"
+    assert tree(first) == first_files
+    assert find_latest(tmp_path) == second and resume_from(tmp_path).path == second
     assert_states_equal(load_checkpoint(second).model_state, model.state_dict())
-    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("step-00000010.replaced-")]
-    assert tree(aside) == first_files
-    assert find_latest(tmp_path) == second
+    assert save(tmp_path, model, optimizer, step=10, keep=1) == tmp_path / "step-00000010.2"
+    assert save(tmp_path, model, optimizer, step=11, keep=2).name == "step-00000011"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000010.2", "step-00000011"]
 
 
 def test_latest_and_resume_skip_a_damaged_newest_and_leave_it_alone(tmp_path):
@@ -435,3 +437,36 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
         assert sorted(p.name for p in out.iterdir()) == ["step-00000003"], k
     # Early kills keep the old checkpoint, kills after the rename already show the new one.
     assert survivors[0] == "step-00000001" and survivors[-1] == "step-00000002"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_round_trips_into_a_fused_optimizer(tmp_path):
+    torch.manual_seed(0)
+    model = TinyLM().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    train_tokens = torch.randint(0, VOCAB, (4, 9), device="cuda")
+    for _ in range(2):
+        loss = F.cross_entropy(model(train_tokens[:, :-1]).reshape(-1, VOCAB), train_tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    rng = capture_rng_state()
+    assert any(key.startswith("cuda.") for key in rng)
+    path = save_checkpoint(
+        tmp_path, step=2, model_state=model.state_dict(), model_config=CONFIG,
+        optimizer_state=optimizer.state_dict(), rng_state=rng,
+    )
+    torch.rand(10, device="cuda")  # move the CUDA RNG on
+    fresh = TinyLM().cuda()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2, fused=True)
+    loaded = load_checkpoint(path)
+    loaded.restore(fresh, fresh_optimizer)
+    restore_rng_state(loaded.rng_state)
+    assert torch.equal(torch.cuda.get_rng_state(), rng["cuda.0"])
+    assert_states_equal(fresh.state_dict(), model.state_dict())
+    for fresh_param, param in zip(fresh.parameters(), model.parameters()):
+        fresh_state, state = fresh_optimizer.state[fresh_param], optimizer.state[param]
+        assert fresh_state["exp_avg"].device == fresh_param.device
+        assert torch.equal(fresh_state["exp_avg"], state["exp_avg"])
+        assert torch.equal(fresh_state["step"].cpu(), state["step"].cpu())

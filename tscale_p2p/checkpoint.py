@@ -4,15 +4,17 @@ One checkpoint is one directory, so that it appears or disappears as a whole::
 
     OUT/step-00000100/
         model.safetensors       model weights by state-dict name
-        optimizer.safetensors   every tensor of the optimizer's state_dict: state.<i>.<name>, param_groups.<g>.<name>
+        optimizer.safetensors   the optimizer state_dict's tensors (state.<i>.<name>, param_groups.<g>.<name>)
         rng.safetensors         RNG states: capture_rng_state(), plus any generator state the caller adds
         meta.json               format version, step, model config, the caller's meta, the optimizer's
                                 non-tensor state (param_groups), size and sha256 of every file, its own checksum
 
 `save_checkpoint` builds it in ``OUT/.tmp-*``, fsyncs every file and the directory, renames it to
-``step-NNNNNNNN``, fsyncs OUT, and only then deletes checkpoints beyond the newest ``keep``. A crash at
-any point leaves the previous checkpoints intact and no partial ``step-*`` directory; the next save
-removes leftover ``.tmp-*`` entries. One writer per OUT directory.
+``step-NNNNNNNN``, fsyncs OUT, and only then deletes checkpoints beyond the newest ``keep``. Saving a
+step that already has a checkpoint adds ``step-NNNNNNNN.1`` (``.2``, ...), newer than the first: no
+name is reused, so no rename ever replaces a checkpoint. A crash at any point leaves the previous
+checkpoints intact and no partial ``step-*`` directory; the next save removes leftover ``.tmp-*``
+entries. One writer per OUT directory.
 
 `load_checkpoint` refuses (with a one-line `UserError` naming the path and the problem) a checkpoint
 whose files do not match its manifest, whose model config differs from the expected one, or whose
@@ -23,7 +25,6 @@ warning) or one checkpoint directory.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import logging
@@ -51,7 +52,7 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 META_FILE = "meta.json"
 
-_STEP_DIR = re.compile(r"step-(\d{8,})")
+_STEP_DIR = re.compile(r"step-(\d{8,})(?:\.(\d+))?")
 _TMP_PREFIX = ".tmp-"
 _HASH_CHUNK = 1 << 20
 
@@ -106,8 +107,8 @@ def save_checkpoint(
 
     `model_state` is a state dict (any device; shared storage such as tied weights is fine),
     `optimizer_state` an optimizer's ``state_dict()``, `model_config` and `meta` JSON-able dicts.
-    An existing checkpoint of the same step is moved aside to ``step-<step>.replaced-<time>``, never
-    deleted. The checkpoint just written is never pruned. Returns its path.
+    A second save of the same step becomes ``step-<step>.1`` and counts as the newer one. The
+    checkpoint just written is never pruned. Returns its path.
     """
     if keep < 1:
         raise UserError(f"checkpoints to keep must be at least 1, got {keep}")
@@ -129,7 +130,7 @@ def save_checkpoint(
     out = Path(out_dir)
     _make_dirs(out)
     _remove_leftovers(out)
-    final = out / f"step-{step:08d}"
+    final = _new_step_dir(out, step)
     tmp = out / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
@@ -142,10 +143,6 @@ def save_checkpoint(
         manifest["checksum"] = _sha256_bytes(_canonical(manifest))
         _write_durably(tmp / META_FILE, json.dumps(manifest, indent=1).encode())
         _fsync_path(tmp)
-        if final.exists():
-            aside = final.with_name(f"{final.name}.replaced-{_utc_stamp()}")
-            os.rename(final, aside)
-            log.warning("%s already existed; moved it to %s", final, aside.name)
         os.rename(tmp, final)
         _fsync_path(out)
     except BaseException:
@@ -369,11 +366,25 @@ def _flatten_optimizer_state(state_dict: Mapping[str, Any]) -> tuple[dict[str, t
 
 
 def _step_dirs(out: Path) -> list[Path]:
-    """Checkpoint directories in `out`, newest step first."""
+    """Checkpoint directories in `out`, newest first: by step, then by repeat number."""
     if not out.is_dir():
         return []
-    found = [(int(m.group(1)), entry) for entry in out.iterdir() if (m := _STEP_DIR.fullmatch(entry.name))]
+    found = [
+        ((int(m.group(1)), int(m.group(2) or 0)), entry)
+        for entry in out.iterdir()
+        if (m := _STEP_DIR.fullmatch(entry.name))
+    ]
     return [entry for _, entry in sorted(found, reverse=True) if entry.is_dir()]
+
+
+def _new_step_dir(out: Path, step: int) -> Path:
+    name = f"step-{step:08d}"
+    repeats = [
+        int(m.group(2) or 0)
+        for entry in out.iterdir()
+        if (m := _STEP_DIR.fullmatch(entry.name)) and int(m.group(1)) == step
+    ]
+    return out / (f"{name}.{max(repeats) + 1}" if repeats else name)
 
 
 def _read_manifest(path: Path) -> dict:
@@ -517,10 +528,6 @@ def _canonical(value: Any) -> bytes:
 
 def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _utc_stamp() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
 
 
 def _cuda_index(key: str) -> int:
