@@ -1,0 +1,111 @@
+"""`tscale-peer`: the command line. Each subcommand parses its flags here and hands off to one module."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import typing
+from dataclasses import MISSING, fields
+
+from tscale_p2p import __version__
+from tscale_p2p.config import TrainConfig, field_types
+from tscale_p2p.errors import UserError
+
+PROG = "tscale-peer"
+
+_CHOICES = {
+    "precision": ("auto", "fp32", "bf16", "fp8", "int8"),
+    "device": ("auto", "cpu", "cuda"),
+    "schedule": ("cosine", "wsd"),
+    "window_schedule": ("tscale", "dense"),
+    "mlp": ("relu2", "swiglu"),
+}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with our one-line error format and exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    """One flag per dataclass field; defaults are suppressed so we can tell which flags were given."""
+    accepted = field_types(cls)
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kinds = [t for t in accepted[f.name] if t is not type(None)]
+        default = f.default if f.default is not MISSING else None
+        help_text = f.metadata.get("help", "")
+        if default is not None and kinds[0] is not bool:
+            help_text += f" (default: {default})"
+        if kinds[0] is bool:
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
+            parser.add_argument(flag, action=action, default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(
+                flag,
+                type=kinds[0],
+                choices=_CHOICES.get(f.name),
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper() if f.name not in _CHOICES else None,
+                help=help_text,
+            )
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Built-in defaults < --config file < flags given on the command line."""
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    if getattr(args, "config", None):
+        return TrainConfig.from_toml(args.config, **given)
+    return TrainConfig(**given)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog=PROG,
+        description="Train transformer language models together: solo, or in a peer-to-peer swarm.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
+    commands.required = True
+
+    train = commands.add_parser(
+        "train",
+        help="train a model alone on this machine (no network)",
+        description="Train a model alone on this machine. With no flags it trains a tiny model on the "
+        "Python standard library's own source code, which every install has.",
+    )
+    train.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file; flags override it")
+    add_dataclass_flags(train, TrainConfig)
+    train.set_defaults(handler=run_train)
+    return parser
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from tscale_p2p.solo import train_solo
+
+    return train_solo(train_config_from_args(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        return args.handler(args)
+    except UserError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Training settings: one dataclass whose fields are the `train` flags, and the TOML file that mirrors them.
+
+Precedence: built-in defaults < `--config FILE.toml` < flags given on the command line.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from tscale_p2p.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp8", "int8")
+DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("cosine", "wsd")
+
+# Built-in model shapes: tiny enough to train on a laptop CPU, and GPT-2-small's shape on a GPU.
+DEFAULT_CPU_MODEL = "e128h4d4w256"
+DEFAULT_GPU_MODEL = "e768h12d12w1024"
+
+
+@dataclass
+class TrainConfig:
+    """Everything `tscale-peer train` can be told; each field is also a flag and a TOML key."""
+
+    data: str = field(default="stdlib", metadata={"help": "training text: stdlib, a file, a folder, a .bin, or hf:NAME"})
+    model: str | None = field(default=None, metadata={"help": "model dims such as e384h6d6w256 (default: e128h4d4w256 on CPU, e768h12d12w1024 on GPU)"})
+    window_schedule: str = field(default="tscale", metadata={"help": "attention windows: tscale (short/full alternation) or dense"})
+    mlp: str = field(default="relu2", metadata={"help": "MLP kind: relu2 or swiglu"})
+    dropout: float = field(default=0.0, metadata={"help": "residual dropout"})
+    precision: str = field(default="auto", metadata={"help": "matmul precision: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp8, int8"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    compile: bool = field(default=True, metadata={"help": "torch.compile the model on CUDA"})
+    steps: int = field(default=2000, metadata={"help": "optimizer steps to train for"})
+    batch_size: int = field(default=16, metadata={"help": "sequences per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    context: int | None = field(default=None, metadata={"help": "tokens per sequence (default: the model's context)"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "final learning rate as a fraction of the peak"})
+    warmup: int = field(default=100, metadata={"help": "learning-rate warm-up steps"})
+    schedule: str = field(default="cosine", metadata={"help": "decay after warm-up: cosine, or wsd (stable then a linear cool-down)"})
+    cooldown_fraction: float = field(default=0.2, metadata={"help": "wsd: fraction of the steps spent cooling down"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices only)"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
+    eval_every: int = field(default=250, metadata={"help": "evaluate val loss every N steps (0: only at the end)"})
+    eval_batches: int = field(default=20, metadata={"help": "micro-batches per evaluation"})
+    log_every: int = field(default=10, metadata={"help": "log a line every N steps"})
+    save_every: int = field(default=500, metadata={"help": "write a checkpoint every N steps (0: only at the end)"})
+    keep: int = field(default=3, metadata={"help": "checkpoints to keep"})
+    out: str = field(default="runs/tscale", metadata={"help": "run folder for checkpoints"})
+    resume: bool = field(default=False, metadata={"help": "continue from the newest valid checkpoint in --out"})
+    seed: int = field(default=0, metadata={"help": "seed for weights and data sampling"})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("device", self.device, DEVICES)
+        _choice("schedule", self.schedule, LR_SCHEDULES)
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup", "eval_every", "save_every", "seed"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
+        if self.context is not None and self.context < 2:
+            raise UserError(f"context must be at least 2 tokens, got {self.context}")
+        if not self.lr > 0:
+            raise UserError(f"lr must be positive, got {self.lr}")
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides) -> "TrainConfig":
+        """Read a TOML file whose keys are the flag names (dashes or underscores); `overrides` win."""
+        values = read_toml_section(path, cls)
+        return cls(**{**values, **overrides})
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"invalid {name} {value!r}; choose one of {', '.join(choices)}")
+
+
+def field_types(cls) -> dict[str, tuple[type, ...]]:
+    """The accepted Python types of each dataclass field (Optional unpacked)."""
+    hints = typing.get_type_hints(cls)
+    accepted: dict[str, tuple[type, ...]] = {}
+    for f in fields(cls):
+        hint = hints[f.name]
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+            accepted[f.name] = tuple(t for t in typing.get_args(hint))
+        else:
+            accepted[f.name] = (hint,)
+    return accepted
+
+
+def read_toml_section(path: str | Path, cls) -> dict:
+    """Read a TOML file and check every key and type against the dataclass `cls`."""
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            raw = tomllib.load(handle)
+    except FileNotFoundError:
+        raise UserError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(f"config file {str(path)!r} is not valid TOML: {error}") from None
+    except OSError as error:
+        raise UserError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
+    accepted = field_types(cls)
+    values = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in accepted:
+            raise UserError(f"unknown key {key!r} in config file {str(path)!r}")
+        types_ok = accepted[name]
+        if float in types_ok and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, bool) and bool not in types_ok or not isinstance(value, tuple(t for t in types_ok if t is not type(None))):
+            wanted = " or ".join(t.__name__ for t in types_ok if t is not type(None))
+            raise UserError(f"key {key!r} in config file {str(path)!r} must be {wanted}, got {value!r}")
+        values[name] = value
+    return values

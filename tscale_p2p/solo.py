@@ -1,0 +1,135 @@
+"""`tscale-peer train`: the solo training loop, with evaluation, checkpoints and a clean Ctrl+C."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from tscale_p2p.checkpoint import find_latest, resume_from
+from tscale_p2p.config import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, TrainConfig
+from tscale_p2p.data import load_corpus
+from tscale_p2p.errors import UserError
+from tscale_p2p.model import ModelConfig
+from tscale_p2p.trainer import Stopwatch, Trainer, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+class GracefulStop:
+    """Turns the first SIGINT/SIGTERM into a request to stop at the next step boundary.
+
+    A second Ctrl+C interrupts at once (the last checkpoint written stays valid: writes are atomic).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("%s received: stopping after this step and saving a checkpoint", signal.Signals(signum).name)
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def model_config_for(
+    cfg: TrainConfig, device_type: str, vocab_size: int, saved: dict | None = None
+) -> ModelConfig:
+    """The model to train: from a checkpoint when resuming (explicit flags must agree), else from flags."""
+    overrides = {"window_schedule": cfg.window_schedule, "mlp": cfg.mlp, "dropout": cfg.dropout, "vocab_size": vocab_size}
+    if saved is not None:
+        model_cfg = ModelConfig.from_dict(saved)
+        if cfg.model is not None:
+            wanted = ModelConfig.from_dims(cfg.model, **overrides)
+            if wanted.dims != model_cfg.dims:
+                raise UserError(
+                    f"--model {cfg.model} does not match the checkpoint's model {model_cfg.dims}; "
+                    f"drop --model to resume, or pick another --out"
+                )
+        if model_cfg.vocab_size != vocab_size:
+            raise UserError(
+                f"--data {cfg.data!r} has a vocabulary of {vocab_size} tokens but the checkpoint's model has "
+                f"{model_cfg.vocab_size}"
+            )
+        return model_cfg
+    dims = cfg.model or (DEFAULT_GPU_MODEL if device_type == "cuda" else DEFAULT_CPU_MODEL)
+    model_cfg = ModelConfig.from_dims(dims, **overrides)
+    if cfg.context is not None and cfg.context > model_cfg.context:
+        raise UserError(f"--context {cfg.context} is longer than the model's context w{model_cfg.context}")
+    return model_cfg
+
+
+def prepare_trainer(cfg: TrainConfig) -> Trainer:
+    """Build the trainer for `cfg`, resuming from --out when asked; refuses to clobber an existing run."""
+    device = resolve_device(cfg.device)
+    out = Path(cfg.out)
+    checkpoint = None
+    if cfg.resume:
+        checkpoint = resume_from(out)
+    elif find_latest(out) is not None:
+        raise UserError(f"{str(out)!r} already holds checkpoints; pass --resume to continue, or choose another --out")
+    corpus = load_corpus(cfg.data)
+    model_cfg = model_config_for(cfg, device.type, corpus.vocab_size, checkpoint.model_config if checkpoint else None)
+    trainer = Trainer(model_cfg, cfg, corpus, device)
+    if checkpoint is not None:
+        trainer.restore(checkpoint)
+        log.info("resumed from %s at step %d", checkpoint.path, trainer.step)
+    return trainer
+
+
+def train_solo(cfg: TrainConfig) -> int:
+    """Train until --steps or a stop signal; always leave a checkpoint behind. Returns the exit code."""
+    trainer = prepare_trainer(cfg)
+    log.info(
+        "training %s (%.2fM parameters, windows %s) on %s, %s, %s, for %d steps",
+        trainer.model_cfg.dims,
+        sum(p.numel() for p in trainer.model.parameters()) / 1e6,
+        trainer.model_cfg.layer_windows(),
+        cfg.data,
+        trainer.device,
+        trainer.precision,
+        cfg.steps,
+    )
+    watch, tokens_since = Stopwatch(trainer), 0
+    with GracefulStop() as stop:
+        while trainer.step < cfg.steps and not stop.requested:
+            stats = trainer.local_step()
+            tokens_since += stats.tokens
+            if stats.step % cfg.log_every == 0 or stats.step == cfg.steps:
+                rate, mfu = trainer.throughput(tokens_since, watch.lap())
+                tokens_since = 0
+                log.info(
+                    "step %d/%d  loss %.4f  lr %.2e  %.0f tok/s%s",
+                    stats.step,
+                    cfg.steps,
+                    stats.loss.item(),
+                    stats.lr,
+                    rate,
+                    f"  MFU {mfu:.1%}" if mfu is not None else "",
+                )
+            if cfg.eval_every and stats.step % cfg.eval_every == 0 and stats.step < cfg.steps:
+                report_eval(trainer)
+            if cfg.save_every and stats.step % cfg.save_every == 0 and stats.step < cfg.steps:
+                trainer.save(cfg.out)
+    if not stop.requested:
+        report_eval(trainer)
+    trainer.save(cfg.out)
+    return 0
+
+
+def report_eval(trainer: Trainer) -> None:
+    result = trainer.evaluate()
+    bpb = f"  {result.bits_per_byte:.4f} bits/byte" if result.bits_per_byte is not None else ""
+    log.info("step %d  val loss %.4f nats/token%s", trainer.step, result.loss, bpb)

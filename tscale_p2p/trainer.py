@@ -1,0 +1,229 @@
+"""The local trainer: one optimizer step, evaluation, and the three calls the swarm drives.
+
+A solo run (`tscale-peer train`) and a swarm peer (`tscale-peer join`) both call `Trainer.local_step()`;
+the swarm adds `snapshot()` at a round's start and `apply_outer_update()` after averaging. Nothing here
+knows about the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tscale_p2p.checkpoint import Checkpoint, capture_rng_state, restore_rng_state, save_checkpoint
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.model import ModelConfig, Transformer
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peak (FLOP/s) by device-name fragment, for MFU. Unknown devices report no MFU.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when available; asking for CUDA on a machine without it is a user error."""
+    from tscale_p2p.errors import UserError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("device 'cuda' requested but no CUDA GPU is available (use --device cpu)")
+    return torch.device(name)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """The precision actually used: `auto` is bf16 on GPU and fp32 on CPU; fp8/int8 go through the kernels."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if precision in ("fp8", "int8"):
+        from tscale_p2p.kernels import resolve_precision as resolve_low_precision
+
+        return resolve_low_precision(precision, device)
+    return precision
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did. `loss` stays a device tensor so logging decides when to synchronise."""
+
+    step: int
+    loss: torch.Tensor
+    lr: float
+    tokens: int
+
+
+@dataclass
+class EvalStats:
+    loss: float  # nats per token
+    bits_per_byte: float | None
+
+
+class Trainer:
+    """Owns the model, the optimizer and the training data stream of one peer."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, corpus, device: torch.device) -> None:
+        self.cfg, self.model_cfg, self.corpus, self.device = cfg, model_cfg, corpus, device
+        self.context = cfg.context or model_cfg.context
+        corpus.check_context(self.context)
+        self.precision = resolve_precision(cfg.precision, device)
+        torch.manual_seed(cfg.seed)
+        self.model = Transformer(model_cfg).to(device)
+        if self.precision in ("fp8", "int8"):
+            from tscale_p2p.kernels import convert_linears
+
+            convert_linears(self.model, self.precision)
+        compiled = device.type == "cuda" and cfg.compile
+        self.forward = torch.compile(self.model) if compiled else self.model
+        self.optimizer = self._make_optimizer()
+        self.train_batches = corpus.batches("train", cfg.batch_size, self.context, seed=cfg.seed, device=device)
+        self.step = 0
+        self.tokens_seen = 0
+        self.flops_per_token = model_cfg.flops_per_token(self.context)
+        self.peak_flops = peak_flops(device)
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        matrices = [p for n, p in self.model.named_parameters() if p.dim() >= 2 and "emb" not in n]
+        others = [p for n, p in self.model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
+        groups = [
+            {"params": matrices, "weight_decay": self.cfg.weight_decay},
+            {"params": others, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(
+            groups, lr=self.cfg.lr, betas=(0.9, self.cfg.beta2), fused=self.device.type == "cuda"
+        )
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine decay or WSD (constant, then a linear cool-down) to min_lr_ratio."""
+        cfg = self.cfg
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        floor = cfg.lr * cfg.min_lr_ratio
+        if cfg.schedule == "wsd":
+            cooldown = max(1, int(cfg.cooldown_fraction * cfg.steps))
+            start = cfg.steps - cooldown
+            if step < start:
+                return cfg.lr
+            return floor + (cfg.lr - floor) * max(0.0, (cfg.steps - step) / cooldown)
+        progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def _autocast(self):
+        enabled = self.device.type == "cuda" and self.precision != "fp32"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            logits = self.forward(x)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+
+    def local_step(self) -> StepStats:
+        """One optimizer step over `grad_accum` micro-batches; the same code for solo and swarm runs."""
+        self.model.train()
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.cfg.grad_accum):
+            x, y = next(self.train_batches)
+            loss = self._loss(x, y) / self.cfg.grad_accum
+            loss.backward()
+            total += loss.detach()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        tokens = self.cfg.grad_accum * self.cfg.batch_size * self.context
+        self.tokens_seen += tokens
+        return StepStats(step=self.step, loss=total, lr=lr, tokens=tokens)
+
+    @torch.no_grad()
+    def evaluate(self) -> EvalStats:
+        """Mean val loss over a fixed set of windows (the same ones every time)."""
+        self.model.eval()
+        losses = [
+            self._loss(x, y)
+            for x, y in self.corpus.eval_batches(self.cfg.batch_size, self.context, self.cfg.eval_batches, self.device)
+        ]
+        loss = torch.stack(losses).mean().item()
+        return EvalStats(loss=loss, bits_per_byte=self.corpus.bits_per_byte(loss))
+
+    def throughput(self, tokens: int, seconds: float) -> tuple[float, float | None]:
+        """Tokens/s and model FLOPs utilisation (None where the device's peak is unknown)."""
+        rate = tokens / seconds if seconds > 0 else 0.0
+        mfu = rate * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        return rate, mfu
+
+    @torch.no_grad()
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """An fp32 CPU copy of the weights (the swarm keeps one at each round's start)."""
+        return {name: p.detach().float().cpu().clone() for name, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def apply_outer_update(self, weights: dict[str, torch.Tensor]) -> None:
+        """Replace the weights with ones computed outside (the swarm's outer step); optimizer state stays."""
+        params = dict(self.model.named_parameters())
+        missing = set(params) - set(weights)
+        if missing:
+            raise ValueError(f"outer update lacks {sorted(missing)[:3]}")
+        for name, p in params.items():
+            p.copy_(weights[name].to(device=p.device, dtype=p.dtype))
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write an atomic checkpoint of everything needed to continue bit-for-bit (see checkpoint.py)."""
+        return save_checkpoint(
+            out_dir,
+            step=self.step,
+            model_state=self.model.state_dict(),
+            model_config=self.model_cfg.to_dict(),
+            optimizer_state=self.optimizer.state_dict(),
+            rng_state=capture_rng_state(),
+            meta={"tokens_seen": self.tokens_seen, "data": self.train_batches.state_dict()},
+            keep=self.cfg.keep,
+        )
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Continue from `checkpoint`: weights, optimizer, RNG and data position."""
+        checkpoint.restore(self.model, self.optimizer)
+        restore_rng_state(checkpoint.rng_state)
+        self.step = checkpoint.step
+        self.tokens_seen = int(checkpoint.meta["tokens_seen"])
+        self.train_batches.load_state_dict(checkpoint.meta["data"])
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class Stopwatch:
+    """Wall time between log lines, synchronised with the device so rates are honest."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.start = time.perf_counter()
+
+    def lap(self) -> float:
+        self.trainer.synchronize()
+        now = time.perf_counter()
+        elapsed, self.start = now - self.start, now
+        return elapsed
