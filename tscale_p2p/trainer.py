@@ -158,13 +158,15 @@ class Trainer:
         return StepStats(step=self.step, loss=total, lr=lr, tokens=tokens)
 
     @torch.no_grad()
-    def evaluate(self) -> EvalStats:
-        """Mean val loss over a fixed set of windows (the same ones every time)."""
+    def evaluate(self, num_batches: int | None = -1) -> EvalStats:
+        """Mean val loss over a fixed set of windows, the same ones every time.
+
+        `num_batches` defaults to `--eval-batches`; None evaluates every non-overlapping window of val once.
+        """
         self.model.eval()
-        losses = [
-            self._loss(x, y)
-            for x, y in self.corpus.eval_batches(self.cfg.batch_size, self.context, self.cfg.eval_batches, self.device)
-        ]
+        num_batches = self.cfg.eval_batches if num_batches == -1 else num_batches
+        batches = self.corpus.eval_batches(self.cfg.batch_size, self.context, num_batches, self.device)
+        losses = [self._loss(x, y) for x, y in batches]
         loss = torch.stack(losses).mean().item()
         return EvalStats(loss=loss, bits_per_byte=self.corpus.bits_per_byte(loss))
 
