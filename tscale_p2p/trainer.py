@@ -158,13 +158,11 @@ class Trainer:
         return StepStats(step=self.step, loss=total, lr=lr, tokens=tokens)
 
     @torch.no_grad()
-    def evaluate(self, num_batches: int | None = -1) -> EvalStats:
-        """Mean val loss over a fixed set of windows, the same ones every time.
-
-        `num_batches` defaults to `--eval-batches`; None evaluates every non-overlapping window of val once.
-        """
+    def evaluate(self, *, whole_split: bool = False) -> EvalStats:
+        """Mean val loss over a fixed set of windows, the same ones every time: `--eval-batches`
+        micro-batches spread over val, or with `whole_split` every non-overlapping window of val once."""
         self.model.eval()
-        num_batches = self.cfg.eval_batches if num_batches == -1 else num_batches
+        num_batches = None if whole_split else self.cfg.eval_batches
         batches = self.corpus.eval_batches(self.cfg.batch_size, self.context, num_batches, self.device)
         losses = [self._loss(x, y) for x, y in batches]
         loss = torch.stack(losses).mean().item()
