@@ -181,7 +181,8 @@ def _window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _flex_block_mask(t: int, window: int, device: torch.device):
+def flex_block_mask(t: int, window: int, device: torch.device):
+    """FlexAttention block mask of a causal sliding window; blocks wholly outside it are skipped."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def sliding_causal(b, h, q_idx, kv_idx):
@@ -197,14 +198,26 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-    """Causal attention of q, k, v ([B, H, T, D]) where each query sees at most `window` keys (itself included)."""
+def windowed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, block_mask=None
+) -> torch.Tensor:
+    """Causal attention of q, k, v ([B, H, T, D]) where each query sees at most `window` keys (itself
+    included). On CUDA a windowed layer uses FlexAttention with `block_mask` (made by `flex_block_mask`)."""
     t = q.shape[-2]
     if window >= t:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if q.is_cuda:
-        return _compiled_flex_attention()(q, k, v, block_mask=_flex_block_mask(t, window, q.device))
+        block_mask = block_mask if block_mask is not None else flex_block_mask(t, window, q.device)
+        return _compiled_flex_attention()(q, k, v, block_mask=block_mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(t, window, q.device))
+
+
+@torch.compiler.disable
+def block_masks_for(windows: list[int], t: int, device: torch.device) -> dict:
+    """The block masks a forward pass needs, built outside any compiled graph (they are cached inputs)."""
+    if device.type != "cuda":
+        return {}
+    return {w: flex_block_mask(t, w, device) for w in set(windows) if w < t}
 
 
 class Attention(nn.Module):
@@ -224,10 +237,10 @@ class Attention(nn.Module):
         b, _, t, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
-    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, block_mask=None) -> torch.Tensor:
         q, k, v = self.split_heads(x)
         q, k = rotary(q), rotary(k)
-        return self.merge_heads(windowed_attention(q, k, v, self.window))
+        return self.merge_heads(windowed_attention(q, k, v, self.window, block_mask))
 
 
 class MLP(nn.Module):
@@ -257,8 +270,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rotary))
+    def forward(self, x: torch.Tensor, rotary: Rotary, block_masks: dict | None = None) -> torch.Tensor:
+        block_mask = (block_masks or {}).get(self.attn.window)
+        x = x + self.dropout(self.attn(self.attn_norm(x), rotary, block_mask))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -291,6 +305,7 @@ class Transformer(nn.Module):
         if idx.shape[1] > self.cfg.context:
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds the model context {self.cfg.context}")
         x = self.dropout(self.tok_emb(idx))
+        masks = block_masks_for(self.cfg.layer_windows(), idx.shape[1], idx.device)
         for block in self.blocks:
-            x = block(x, self.rotary)
+            x = block(x, self.rotary, masks)
         return self.lm_head(self.norm(x))
