@@ -70,6 +70,12 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept
 
 
+def _autotune_bench(kernel_call, quantiles):
+    # Shorter than Triton's default (25 ms warm-up, 100 ms timing) per config: the GEMMs are compute bound and
+    # steady after a few runs, and a training run tunes a dozen shapes at start.
+    return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
+
+
 @triton.jit
 def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M row-blocks share B tiles in L2 before moving to the next column-block."""
@@ -102,6 +108,16 @@ def _row_scaled(acc, sa_ptr, sb_ptr, offs_m, offs_n, M, N, GROUP_K: tl.constexpr
 
 
 @triton.jit
+def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """The accumulator: ACC_DTYPE (int32 for int8) when scales wait for the epilogue, else scaled fp32."""
+    if GROUP_K == 0:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def _mma(a, b, acc, sa_ptr, sb_ptr, offs_m, offs_n, k_start, M, N, stride_sa, stride_sb,
          GROUP_K: tl.constexpr, ACC_DTYPE: tl.constexpr):
     if GROUP_K == 0:
@@ -113,7 +129,8 @@ def _mma(a, b, acc, sa_ptr, sb_ptr, offs_m, offs_n, k_start, M, N, stride_sa, st
     return acc
 
 
-@triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "GROUP_K"], prune_configs_by={"early_config_prune": _prune_configs})
+@triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "GROUP_K"], prune_configs_by={"early_config_prune": _prune_configs},
+                 do_bench=_autotune_bench)
 @triton.jit
 def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
                       stride_cm, stride_cn, stride_sa, stride_sb, GROUP_K: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -126,7 +143,7 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, s
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :] * stride_bk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+    acc = _zero_acc(BLOCK_M, BLOCK_N, GROUP_K, ACC_DTYPE)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
@@ -141,7 +158,8 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, s
              c.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "GROUP_K"], prune_configs_by={"early_config_prune": _prune_configs})
+@triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "GROUP_K"], prune_configs_by={"early_config_prune": _prune_configs},
+                 do_bench=_autotune_bench)
 @triton.jit
 def _scaled_mm_tma_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K, stride_sa, stride_sb,
                           GROUP_K: tl.constexpr, ACC_DTYPE: tl.constexpr, NUM_SMS: tl.constexpr,
@@ -158,7 +176,7 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K, strid
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+        acc = _zero_acc(BLOCK_M, BLOCK_N, GROUP_K, ACC_DTYPE)
         for ki in range(k_tiles):
             a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
             b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])

@@ -108,6 +108,9 @@ class QuantizedLinear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    # torch.compile traces around this layer instead of into it: the weight cache and the Triton launches are
+    # plain Python, and the rest of the model (norms, rotary, activations) still gets compiled and fused.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):

@@ -46,11 +46,12 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def convert_linears(model: nn.Module, precision: str, skip: Container[str] = ("lm_head",),
-                    stochastic_grad: bool = False) -> nn.Module:
+                    stochastic_grad: bool = False, fp8_grad_format: str = "e4m3") -> nn.Module:
     """Replace, in place, every nn.Linear (by qualified name, not in `skip`) with Fp8Linear / Int8Linear.
 
     The replacement keeps the very same `weight` Parameter, so optimizer state, checkpoints and state_dict
     names are unchanged. Biased linears are left alone (the model has none). fp32/bf16: nothing changes.
+    `stochastic_grad` rounds the gradient casts stochastically; `fp8_grad_format` is "e4m3" or "e5m2".
     """
     if precision in ("fp32", "bf16"):
         return model
@@ -64,7 +65,7 @@ def convert_linears(model: nn.Module, precision: str, skip: Container[str] = ("l
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if precision == "fp8":
-            new = Fp8Linear(linear.weight, stochastic_grad=stochastic_grad)
+            new = Fp8Linear(linear.weight, grad_fmt=fp8_grad_format, stochastic_grad=stochastic_grad)
         else:
             new = Int8Linear(linear.weight, stochastic_grad=stochastic_grad)
         setattr(parent, attr, new)

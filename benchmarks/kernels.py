@@ -1,0 +1,152 @@
+"""GEMM and quantize throughput of the fp8/int8 Triton kernels against cuBLAS, in one run, on one GPU.
+
+GEMM: for a linear layer with K inputs, N outputs and M tokens, the three matmuls are
+    fwd    Y  = X W^T   (M, N, K)      dgrad  dX = dY W   (M, K, N)      wgrad  dW = dY^T X   (N, K, M)
+with M = 16384 and K, N in {768, 2048, 3072, 8192}. Every operand is already quantized (K-major, as the
+tensor cores want it), so each row times the matmul alone. Columns: ours fp8 (e4m3, row-wise scales,
+persistent TMA kernel on Hopper), ours int8, cuBLAS fp8 through torch._scaled_mm with tensor-wise and
+row-wise scales (use_fast_accum=True, the setting torchao trains with), cuBLAS int8 (torch._int_mm,
+no scales), and cuBLAS bf16 torch.matmul. TFLOP/s = 2*M*N*K / median time (triton.testing.do_bench).
+
+Quantize: GB/s (bytes read + written) of each quantize kernel on a 16384 x 8192 bf16 tensor against the
+device-to-device copy bandwidth measured in the same run (torch's copy_ of the same tensor).
+
+    python benchmarks/kernels.py [--sizes 768,2048,3072,8192] [--tokens 16384] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+
+from tscale_p2p.kernels.gemm import scaled_mm
+from tscale_p2p.kernels.quantize import TILE, quantize_cols_t, quantize_rows
+
+
+def bench_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def gemm_row(m: int, n: int, k: int, impl: str) -> dict:
+    """TFLOP/s of every implementation on C[m, n] = A[m, k] @ B[n, k]^T."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    flops = 2.0 * m * n * k
+    row = {"M": m, "N": n, "K": k}
+
+    a8, sa = quantize_rows(a, "e4m3")
+    b8, sb = quantize_rows(b, "e4m3")
+    ai, sai = quantize_rows(a, "int8")
+    bi, sbi = quantize_rows(b, "int8")
+    one = torch.ones((), device="cuda")
+    cases = {
+        "ours_fp8": lambda: scaled_mm(a8, b8, sa, sb, impl=impl),
+        "ours_int8": lambda: scaled_mm(ai, bi, sai, sbi, impl=impl),
+        "cublas_fp8_tensor": lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16,
+                                                      use_fast_accum=True),
+        "cublas_fp8_row": lambda: torch._scaled_mm(a8, b8.t(), sa[:, None], sb[None, :],
+                                                   out_dtype=torch.bfloat16, use_fast_accum=True),
+        "cublas_int8": lambda: torch._int_mm(ai, bi.t()),
+        "cublas_bf16": lambda: torch.matmul(a, b.t()),
+    }
+    if impl == "auto":
+        a_t, sa_t = quantize_rows(a, "e4m3", TILE)
+        b_t, sb_t = quantize_rows(b, "e4m3", TILE)
+        cases["ours_fp8_tile128"] = lambda: scaled_mm(a_t, b_t, sa_t, sb_t, group=TILE)
+    for name, fn in cases.items():
+        try:
+            row[name] = flops / bench_ms(fn) / 1e9
+        except Exception as e:  # noqa: BLE001  (a baseline cuBLAS lacks for a shape must not end the sweep)
+            print(f"  {name} {m}x{n}x{k}: {type(e).__name__}: {e}", file=sys.stderr)
+            row[name] = float("nan")
+    # Correctness of what was timed, against the bf16 product of the unquantized operands.
+    ref = (a.float() @ b.float().t())
+    for name in ("ours_fp8", "ours_int8"):
+        out = cases[name]().float()
+        row[name + "_relerr"] = ((out - ref).norm() / ref.norm()).item()
+    return row
+
+
+def quantize_rows_table(tokens: int, width: int) -> list[dict]:
+    x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    n = x.numel()
+    copy_gbs = 2 * n * 2 / bench_ms(lambda: y.copy_(x)) / 1e6
+    col_amax = quantize_rows(x, "e4m3", col_amax=True)[2]
+    # bytes: read bf16 once, write one byte per element (+ fp32 scales, negligible but counted)
+    kernels = {
+        "rows e4m3 (row scales)": (lambda: quantize_rows(x, "e4m3"), 3 * n + 4 * tokens),
+        "rows e4m3 + column amax": (lambda: quantize_rows(x, "e4m3", col_amax=True), 3 * n + 4 * (tokens + width)),
+        "rows e4m3 (1x128 tiles)": (lambda: quantize_rows(x, "e4m3", TILE), 3 * n + 4 * n // TILE),
+        "rows int8 (row scales)": (lambda: quantize_rows(x, "int8"), 3 * n + 4 * tokens),
+        "rows e4m3 stochastic": (lambda: quantize_rows(x, "e4m3", stochastic=True), 3 * n + 4 * tokens),
+        "transposed e4m3 (col scales)": (lambda: quantize_cols_t(x, "e4m3", col_amax=col_amax), 3 * n + 8 * width),
+        "transposed e4m3 (128x1 tiles)": (lambda: quantize_cols_t(x, "e4m3", TILE), 3 * n + 4 * n // TILE),
+    }
+    rows = [{"kernel": "torch copy_ (bf16, read+write)", "GB/s": copy_gbs, "of_copy": 1.0}]
+    for name, (fn, nbytes) in kernels.items():
+        gbs = nbytes / bench_ms(fn) / 1e6
+        rows.append({"kernel": name, "GB/s": gbs, "of_copy": gbs / copy_gbs})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="768,2048,3072,8192")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--impl", default="auto", choices=["auto", "tma", "pointer"])
+    p.add_argument("--json", help="also write every figure here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    m = args.tokens
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+
+    # fwd (M, N, K) of layer (K -> N) is the dgrad problem of layer (N -> K): with K and N drawn from the same
+    # set, every dgrad shape is some layer's fwd shape, timed once and reported under both names.
+    problems = {}
+    for k in sizes:
+        for n in sizes:
+            problems.setdefault((m, n, k), None)
+            problems.setdefault((n, k, m), None)
+    for shape in problems:
+        problems[shape] = gemm_row(*shape, impl=args.impl)
+        r = problems[shape]
+        print(f"  {shape}: ours fp8 {r['ours_fp8']:.0f}  cuBLAS fp8 row {r['cublas_fp8_row']:.0f}  "
+              f"bf16 {r['cublas_bf16']:.0f} TFLOP/s", flush=True)
+
+    cols = ["ours_fp8", "ours_int8", "cublas_fp8_tensor", "cublas_fp8_row", "cublas_int8", "cublas_bf16"]
+    if args.impl == "auto":
+        cols.insert(2, "ours_fp8_tile128")
+    print("\n## GEMM TFLOP/s (M = %d tokens)\n" % m)
+    print("| layer K->N | matmul | M x N x K | " + " | ".join(cols) +
+          " | ours fp8 / cuBLAS fp8 row | ours fp8 / bf16 | ours int8 / bf16 | fp8 rel err |")
+    print("|" + " --- |" * (len(cols) + 7))
+    table = []
+    for k in sizes:
+        for n in sizes:
+            for matmul, shape in (("fwd", (m, n, k)), ("dgrad", (m, k, n)), ("wgrad", (n, k, m))):
+                r = problems[shape]
+                table.append({"layer_in": k, "layer_out": n, "matmul": matmul, **r})
+                print(f"| {k}->{n} | {matmul} | {shape[0]}x{shape[1]}x{shape[2]} | " +
+                      " | ".join(f"{r[c]:.0f}" for c in cols) +
+                      f" | {r['ours_fp8'] / r['cublas_fp8_row']:.2f} | {r['ours_fp8'] / r['cublas_bf16']:.2f}"
+                      f" | {r['ours_int8'] / r['cublas_bf16']:.2f} | {r['ours_fp8_relerr']:.4f} |")
+
+    quant = quantize_rows_table(m, max(sizes))
+    print(f"\n## Quantize, {m} x {max(sizes)} bf16 input\n")
+    print("| kernel | GB/s | of copy bandwidth |\n| --- | --- | --- |")
+    for r in quant:
+        print(f"| {r['kernel']} | {r['GB/s']:.0f} | {r['of_copy']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "gemm": table, "quantize": quant}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
