@@ -8,7 +8,8 @@ One round, seen from a peer (all of it in the averager's child process, after hi
 2. **Reduce, with validation.** hivemind's butterfly all-reduce makes each peer the reducer of one span.
    A reducer decodes every contribution and drops the sender for the round if it is not a well-formed 1-bit
    tensor of the expected shape, is not finite, carries a non-positive weight, or has a norm above
-   `max_norm_ratio` times the reducer's own part. Weights are the tokens each peer processed.
+   `max_norm_ratio` times the reducer's own part. Weights are the tokens each peer processed. Senders check
+   the averages they get back the same way (against the part they sent).
 3. **Return, with error feedback too.** hivemind would send every sender `mean - its own part`, compressed
    again, which differs per sender. Instead the reducer packs `mean + reducer_residual` once, keeps what did
    not fit in its own residual for that span, and sends the same bytes to everyone: the return trip is
@@ -232,6 +233,19 @@ class SwarmAverager(DecentralizedAverager):
         """L2 norm of what this peer still owes the swarm (error feedback); a health metric."""
         return float(self._sender_residual.norm())
 
+    def error_feedback_state(self) -> dict[str, torch.Tensor]:
+        """Copies of both residuals (flat fp32), e.g. for a checkpoint: they are part of a peer's state."""
+        with self.get_tensors():
+            return dict(sender=self._sender_residual.clone(), reducer=self._reducer_residual.clone())
+
+    def load_error_feedback_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore residuals saved by `error_feedback_state` (same template)."""
+        with self.get_tensors():
+            for name, residual in (("sender", self._sender_residual), ("reducer", self._reducer_residual)):
+                if state[name].shape != residual.shape:
+                    raise ValueError(f"{name} residual has shape {tuple(state[name].shape)}, expected {tuple(residual.shape)}")
+                residual.copy_(state[name])
+
     def get_current_state(self):
         if self._state_source is None:
             raise RuntimeError("this averager has no state_source to share")
@@ -319,7 +333,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         )
         self._own_norms = [float(part.norm()) for part in self.parts_for_local_averaging]
         self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
-        self._sent_shapes: dict[int, list[torch.Size]] = {}  # peer index -> shapes of the parts we sent it
+        self._sent_parts: dict[int, list[tuple[torch.Size, float]]] = {}  # peer index -> (shape, norm) we sent
 
     # -- reducer side --
 
@@ -411,17 +425,20 @@ class _OneBitAllReduceRunner(AllReduceRunner):
             if message.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
             # A reply always follows the part it answers, so that part's shape is already recorded.
-            expected = self._sent_shapes[peer_index][part_index]
-            averaged = await loop.run_in_executor(None, _decode_onebit, self.codec, message.tensor_part, expected)
+            shape, sent_norm = self._sent_parts[peer_index][part_index]
+            averaged = await loop.run_in_executor(None, _decode_onebit, self.codec, message.tensor_part, shape)
+            norm = float(averaged.norm())
+            if sent_norm > 0 and norm > self.max_norm_ratio * sent_norm:
+                raise InvalidContributionError(f"average norm {norm:.3g} is over {self.max_norm_ratio}x ours")
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
             part_index += 1
         if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
             raise AllreduceException(f"{peer_id} answered {part_index} parts instead of all")
 
     async def _count_outgoing(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        shapes = self._sent_shapes.setdefault(peer_index, [])
+        sent = self._sent_parts.setdefault(peer_index, [])
         async for message in self._generate_input_for_peer(peer_index):
-            shapes.append(torch.Size(message.tensor_part.size))
+            sent.append((torch.Size(message.tensor_part.size), self.codec.norm(message.tensor_part)))
             self.traffic[_SENT] += message.ByteSize()
             yield message
 

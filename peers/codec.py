@@ -99,6 +99,19 @@ class OneBitCodec(CompressionBase):
         values = unpack(signs, scales, numel, block_size).to(dtype).reshape(shape)
         return values.requires_grad_(serialized_tensor.requires_grad)
 
+    def norm(self, serialized_tensor: runtime_pb2.Tensor) -> float:
+        """L2 norm of the tensor a well-formed message encodes, from its scales alone (no decoding)."""
+        buffer = serialized_tensor.buffer
+        block_size = int(np.frombuffer(buffer, dtype=_HEADER, count=1)[0])
+        numel = torch.Size(serialized_tensor.size).numel()
+        _, n_blocks = packed_sizes(numel, block_size)
+        raw_scales = np.frombuffer(buffer, dtype=np.int16, count=n_blocks, offset=_HEADER.itemsize)
+        scales = torch.from_numpy(raw_scales.copy()).view(torch.bfloat16).float()
+        counts = torch.full((n_blocks,), float(block_size))
+        if n_blocks:
+            counts[-1] = numel - (n_blocks - 1) * block_size
+        return float((scales.square() * counts).sum().sqrt())
+
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         # Exactly one bit per value (scales left out on purpose): hivemind splits tensors into parts of
         # part_size_bytes / (itemsize * ratio) values, and this keeps every part a whole number of blocks, so

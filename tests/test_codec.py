@@ -134,7 +134,7 @@ def test_error_feedback_makes_the_cumulative_sum_track_the_true_sum():
     torch.testing.assert_close(sent_with_feedback + residual, true_sum, rtol=1e-4, atol=1e-3)
     error_with = (sent_with_feedback - true_sum).norm() / true_sum.norm()
     error_without = (sent_without - true_sum).norm() / true_sum.norm()
-    assert error_with < 0.1
+    assert error_with < 0.15
     assert error_with < error_without / 4
 
 

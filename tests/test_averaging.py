@@ -1,0 +1,231 @@
+"""SwarmAverager on real hivemind DHTs and p2pd daemons over loopback: agreement, bad peers, a killed peer."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import hivemind
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from tscale_p2p.kernels.onebit import pack, unpack
+from tscale_p2p.peers.averaging import SwarmAverager
+from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
+
+SHAPES = [(96, 64), (1000,), (33, 40)]
+# 2048 values per part: every peer reduces several parts, and parts do not line up with tensors.
+AVERAGER_OPTIONS = dict(
+    matchmaking_time=2.0, round_timeout=15.0, allreduce_timeout=15.0, next_chunk_timeout=2.0, part_size_bytes=256
+)
+
+
+def onebit(tensor: torch.Tensor) -> torch.Tensor:
+    signs, scales = pack(tensor, BLOCK_SIZE)
+    return unpack(signs, scales, tensor.numel(), BLOCK_SIZE).view(tensor.shape)
+
+
+def weighted_mean(grads: list[list[torch.Tensor]], tokens: list[float]) -> list[torch.Tensor]:
+    return [sum(w * g[i] for g, w in zip(grads, tokens)) / sum(tokens) for i in range(len(SHAPES))]
+
+
+def expected_first_round(grads, tokens) -> list[torch.Tensor]:
+    """Senders send 1-bit grads, the reducer 1-bit of their weighted mean; no residuals yet in round one."""
+    return [onebit(mean) for mean in weighted_mean([[onebit(g) for g in peer] for peer in grads], tokens)]
+
+
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return float(torch.cat([(a - b).view(-1) for a, b in zip(got, want)]).norm() / torch.cat(
+        [b.view(-1) for b in want]).norm())
+
+
+def random_grads(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) * 1e-3 for shape in SHAPES]
+
+
+@contextlib.contextmanager
+def swarm(codecs: list[OneBitCodec]):
+    """One DHT + SwarmAverager per codec on 127.0.0.1, all shut down afterwards."""
+    dhts, averagers = [], []
+    try:
+        for _ in codecs:
+            initial_peers = dhts[0].get_visible_maddrs() if dhts else None
+            dhts.append(hivemind.DHT(start=True, initial_peers=initial_peers))
+        template = [torch.zeros(shape) for shape in SHAPES]
+        for dht, codec in zip(dhts, codecs):
+            averagers.append(SwarmAverager(template, dht, prefix="test", codec=codec, **AVERAGER_OPTIONS))
+        yield averagers
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def run_round(averagers, grads, tokens):
+    pending = [a.start_round(g, tokens=t) for a, g, t in zip(averagers, grads, tokens)]
+    return [p.result(timeout=40) for p in pending]
+
+
+def test_three_peers_average_agree_and_error_feedback_keeps_the_books():
+    grads, tokens = [random_grads(seed) for seed in range(3)], [1000.0, 2000.0, 3000.0]
+    true_mean = torch.cat([m.view(-1) for m in weighted_mean(grads, tokens)])
+    rounds = 3
+    with swarm([OneBitCodec() for _ in range(3)]) as averagers:
+        delivered, errors = torch.zeros_like(true_mean), []
+        for round_number in range(rounds):
+            outcomes = run_round(averagers, grads, tokens)
+            for outcome in outcomes:
+                assert outcome.error is None and outcome.group_size == 3 and outcome.group_tokens == 6000.0
+                assert outcome.bytes_sent > 0 and outcome.bytes_received > 0
+                for got, want in zip(outcome.averaged, outcomes[0].averaged):
+                    assert torch.equal(got, want)  # every peer decodes the very same average
+            if round_number == 0:
+                assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+            delivered += torch.cat([t.view(-1) for t in outcomes[0].averaged])
+            target = true_mean * (round_number + 1)
+            errors.append(float((delivered - target).norm() / target.norm()))
+        states = [a.error_feedback_state() for a in averagers]
+    # Nothing is lost, only delayed: what was delivered, plus what reducers still owe, plus the weighted
+    # residuals senders still owe, is exactly the sum of the true means (same pseudo-gradients each round).
+    owed_by_reducers = sum(state["reducer"] for state in states)
+    owed_by_senders = sum(w * state["sender"] for w, state in zip(tokens, states)) / sum(tokens)
+    books = delivered + owed_by_reducers + owed_by_senders
+    assert float((books - rounds * true_mean).norm() / (rounds * true_mean).norm()) < 1e-4
+    # ... and what is owed grows slower than what is delivered (without error feedback the relative error
+    # of the sum would stay at the first round's).
+    assert errors[0] > errors[1] > errors[2], errors
+
+
+class NaNScales(OneBitCodec):
+    """Sends (and answers with) a NaN scale."""
+
+    def _message(self, signs, scales, like):
+        return super()._message(signs, torch.full_like(scales, float("nan")), like)
+
+
+class WrongShape(OneBitCodec):
+    """Sends (and answers with) well-formed parts that have one value too many."""
+
+    def _message(self, signs, scales, like):
+        longer = torch.zeros(like.numel() + 1)
+        return super()._message(*pack(longer, self.block_size), longer)
+
+
+class HugeNorm(OneBitCodec):
+    """Sends (and answers with) well-formed, finite parts a million times larger than anyone else's."""
+
+    def _message(self, signs, scales, like):
+        return super()._message(signs, scales * 1e6, like)
+
+
+def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
+    codecs = [OneBitCodec(), OneBitCodec(), NaNScales(), WrongShape(), HugeNorm()]
+    grads = [random_grads(seed) for seed in range(len(codecs))]
+    tokens = [1000.0, 3000.0, 1000.0, 1000.0, 1000.0]
+    honest = expected_first_round(grads[:2], tokens[:2])
+    with swarm(codecs) as averagers:
+        outcomes = run_round(averagers, grads, tokens)
+    first, second = outcomes[0], outcomes[1]
+    for outcome in (first, second):
+        assert outcome.error is None and outcome.group_size == len(codecs)
+        assert all(bool(torch.isfinite(t).all()) for t in outcome.averaged)
+    for a, b in zip(first.averaged, second.averaged):
+        assert torch.equal(a, b)
+    got = torch.cat([t.view(-1) for t in first.averaged])
+    want = torch.cat([t.view(-1) for t in honest])
+    # Spans reduced by an honest peer hold the honest-only average; the answers of the bad peers for the
+    # spans they reduced are refused on receipt, so those stay zero. Nothing else may appear.
+    reduced = got != 0
+    assert 0.2 < float(reduced.float().mean()) < 0.6
+    assert float((got[reduced] - want[reduced]).norm() / want[reduced].norm()) < 1e-2
+
+
+DOOMED_PEER = textwrap.dedent(
+    """
+    import pathlib, sys, time
+    import hivemind, torch
+    from tscale_p2p.peers.averaging import SwarmAverager
+    from tscale_p2p.peers.codec import OneBitCodec
+
+    class StallsOnSecondPart(OneBitCodec):
+        calls = 0
+
+        def compress(self, tensor, info, allow_inplace=False):
+            StallsOnSecondPart.calls += 1
+            if StallsOnSecondPart.calls == 2:
+                pathlib.Path(sys.argv[1]).touch()  # mid-round: one part sent, the next one never will be
+                time.sleep(600)
+            return super().compress(tensor, info, allow_inplace)
+
+    shapes, options, initial_peers = eval(sys.argv[2]), eval(sys.argv[3]), sys.argv[4:]
+    dht = hivemind.DHT(start=True, initial_peers=initial_peers)
+    averager = SwarmAverager([torch.zeros(s) for s in shapes], dht, prefix="test",
+                             codec=StallsOnSecondPart(), **options)
+    print("ready", flush=True)
+    averager.start_round([torch.randn(s) * 1e-3 for s in shapes], tokens=1000.0).result()
+    """
+)
+
+
+def test_a_peer_killed_mid_round_does_not_stall_the_others(tmp_path):
+    marker = tmp_path / "stalled"
+    grads, tokens = [random_grads(seed) for seed in range(2)], [1000.0, 1000.0]
+    with swarm([OneBitCodec(), OneBitCodec()]) as averagers:
+        maddrs = [str(m) for m in averagers[0].dht.get_visible_maddrs()]
+        doomed = subprocess.Popen(
+            [sys.executable, "-c", DOOMED_PEER, str(marker), repr(SHAPES), repr(AVERAGER_OPTIONS), *maddrs],
+            stdout=subprocess.PIPE, text=True, start_new_session=True,  # its own process group: DHT, p2pd, averager
+        )
+        try:
+            assert doomed.stdout.readline().strip() == "ready"
+            pending = [a.start_round(g, tokens=t) for a, g, t in zip(averagers, grads, tokens)]
+            deadline = time.monotonic() + 30
+            while not marker.exists():
+                assert time.monotonic() < deadline, "the doomed peer never joined the round"
+                time.sleep(0.05)
+            os.killpg(doomed.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            outcomes = [p.result(timeout=30) for p in pending]
+            waited = time.monotonic() - killed_at
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(doomed.pid, signal.SIGKILL)
+            doomed.wait()
+        # Survivors give up on the dead peer after next_chunk_timeout (2 s here) per phase, not later.
+        assert waited < 4 * AVERAGER_OPTIONS["next_chunk_timeout"] + 2, waited
+        for outcome in outcomes:
+            assert outcome.group_size == 3 and outcome.error is None
+            assert all(bool(torch.isfinite(t).all()) for t in outcome.averaged)
+        # The next round goes on without the dead peer.
+        outcomes = run_round(averagers, grads, tokens)
+        assert [o.group_size for o in outcomes] == [2, 2]
+        for a, b in zip(outcomes[0].averaged, outcomes[1].averaged):
+            assert torch.equal(a, b)
+
+
+def test_a_peer_alone_gets_no_average_within_the_round_timeout():
+    with swarm([OneBitCodec()]) as (averager,):
+        averager.round_timeout = 3.0
+        started = time.monotonic()
+        outcome = averager.average(random_grads(0), tokens=100.0)
+        assert outcome.averaged is None and outcome.group_size == 1 and outcome.error
+        assert time.monotonic() - started < 8
+
+
+def test_bad_local_input_is_refused_before_anything_is_sent():
+    with swarm([OneBitCodec()]) as (averager,):
+        grads = random_grads(0)
+        with pytest.raises(ValueError):
+            averager.start_round(grads, tokens=0)
+        with pytest.raises(ValueError):
+            averager.start_round([torch.full(shape, float("nan")) for shape in SHAPES], tokens=1.0)
+        with pytest.raises(ValueError):
+            averager.start_round(grads[:2], tokens=1.0)
