@@ -345,6 +345,12 @@ class GenerationEngine(nn.Module):
         self._release_finished()
         return deltas
 
+    def cancel(self, seqs: SequenceOf[GenerationSequence] | None = None) -> None:
+        """Stop `seqs` (default: every live sequence) and free their slots."""
+        for seq in self.active if seqs is None else seqs:
+            seq.cancelled = True
+        self._release_finished()
+
     def _release_finished(self) -> None:
         self.slots = [None if seq is None or seq.done else seq for seq in self.slots]
 
