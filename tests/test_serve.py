@@ -1,0 +1,176 @@
+"""The OpenAI-compatible server, spoken to by a real HTTP client over 127.0.0.1."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from tscale_p2p.generate import GenerationEngine
+from tscale_p2p.model import ModelConfig, Transformer
+from tscale_p2p.serve import CompletionServer
+
+MODEL_ID = "tiny-run"
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_dims("e64h4d4w128", short_window=8, first_window=4)
+    return Transformer(cfg).eval()
+
+
+@pytest.fixture
+def server(model):
+    server = CompletionServer(GenerationEngine(model, slots=4), MODEL_ID, "127.0.0.1", 0)
+    server.start()
+    yield server
+    server.close()
+
+
+def request(server, method: str, path: str, body=None, raw: bytes | None = None):
+    host, port = server.server_address[:2]
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    connection.request(method, path, body=data, headers=headers)
+    response = connection.getresponse()
+    payload = response.read()
+    connection.close()
+    return response, payload
+
+
+def post(server, body):
+    response, payload = request(server, "POST", "/v1/completions", body)
+    return response.status, json.loads(payload)
+
+
+def events(payload: bytes) -> list:
+    lines = [line for line in payload.decode().split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+
+
+def test_health_and_models(server):
+    response, payload = request(server, "GET", "/health")
+    assert response.status == 200 and json.loads(payload)["status"] == "ok"
+    response, payload = request(server, "GET", "/v1/models")
+    models = json.loads(payload)
+    assert response.status == 200 and [m["id"] for m in models["data"]] == [MODEL_ID]
+
+
+def test_completion_is_greedy_and_reproducible_and_counts_tokens(server):
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 20, "temperature": 0}
+    status, first = post(server, body)
+    assert status == 200
+    [choice] = first["choices"]
+    assert first["object"] == "text_completion" and first["model"] == MODEL_ID
+    assert choice["finish_reason"] == "length" and choice["index"] == 0
+    assert first["usage"] == {"prompt_tokens": 5, "completion_tokens": 20, "total_tokens": 25}
+    status, second = post(server, body)
+    assert second["choices"][0]["text"] == choice["text"]
+
+
+def test_streaming_sends_the_same_text_as_server_sent_events(server):
+    body = {"prompt": "Hello", "max_tokens": 20, "temperature": 0}
+    _, plain = post(server, body)
+    response, payload = request(server, "POST", "/v1/completions", {**body, "stream": True})
+    assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+    chunks = events(payload)
+    assert len(chunks) > 1
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_stop_strings_and_several_choices(server):
+    status, result = post(server, {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 30, "temperature": 1.0, "seed": 3})
+    assert status == 200 and [c["index"] for c in result["choices"]] == [0, 1, 2, 3]
+    text = result["choices"][0]["text"]
+    assert text != result["choices"][1]["text"]  # n choices of one seeded request differ
+    stop = text[5:7]
+    status, cut = post(server, {"prompt": "ab", "max_tokens": 30, "temperature": 1.0, "seed": 3, "stop": [stop]})
+    assert cut["choices"][0]["text"] == text[: text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_requests_arriving_together_share_decode_steps(server):
+    bodies = [{"prompt": f"request {i}", "max_tokens": 60, "temperature": 0} for i in range(3)]
+    results = [None] * 3
+    steps_before = server.service.decode_steps
+
+    def send(i):
+        results[i] = post(server, bodies[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(status == 200 for status, _ in results)
+    # One after the other would take 3 x 59 decode steps; batched, little more than 59.
+    assert server.service.decode_steps - steps_before < 2 * 59
+    _, alone = post(server, bodies[1])
+    assert alone["choices"][0]["text"] == results[1][1]["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": "hi", "temperature": -1}, 400, None),
+        ({"prompt": "hi", "top_p": 0}, 400, None),
+        ({"prompt": "hi", "top_k": -2}, 400, None),
+        ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+        ({"prompt": "hi", "stop": 5}, 400, "stop"),
+        ({"prompt": 42}, 400, "prompt"),
+        ({"max_tokens": 5}, 400, "prompt"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "x" * 129}, 400, "prompt"),
+        ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "hi", "n": 100}, 400, "n"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+        ([1, 2], 400, None),
+    ],
+)
+def test_bad_requests_get_a_json_error(server, body, status, param):
+    got, payload = post(server, body)
+    assert got == status
+    assert payload["error"]["param"] == param and payload["error"]["message"]
+
+
+def test_malformed_http_gets_an_error_and_the_server_keeps_serving(server):
+    response, payload = request(server, "POST", "/v1/completions", raw=b"{not json")
+    assert response.status == 400 and "JSON" in json.loads(payload)["error"]["message"]
+    response, _ = request(server, "POST", "/v1/chat/completions", {"messages": []})
+    assert response.status == 404
+    response, _ = request(server, "GET", "/nothing")
+    assert response.status == 404
+    response, _ = request(server, "POST", "/v1/completions", raw=b"x" * (1 << 21))
+    assert response.status == 413
+    assert post(server, {"prompt": "still", "max_tokens": 2})[0] == 200
+
+
+def test_a_client_that_leaves_mid_stream_is_cancelled(server):
+    steps_before = server.service.decode_steps
+    host, port = server.server_address[:2]
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    body = json.dumps({"prompt": "go", "max_tokens": 126, "stream": True, "temperature": 0})
+    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.read1(10)
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    deadline = time.monotonic() + 20
+    while server.service.status()["active"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.service.status()["active"] == 0
+    assert server.service.decode_steps - steps_before < 100  # finishing would have taken 125 steps
+    status, result = post(server, {"prompt": "next", "max_tokens": 3})
+    assert status == 200 and result["choices"][0]["finish_reason"] == "length"

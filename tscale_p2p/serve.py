@@ -1,0 +1,378 @@
+"""An OpenAI-compatible completion server over a `GenerationEngine`: ``POST /v1/completions`` (with
+``"stream": true`` as server-sent events), ``GET /v1/models`` and ``GET /health``.
+
+The standard library's threading HTTP server parses requests (one thread each); a single worker thread owns
+the engine. Requests queue up in an inbox; before every decode step the worker moves as many waiting
+sequences as there are free slots into the batch (one prefill for all of them), so requests that arrive
+together share every decode step, and a new request joins a running batch at the next step.
+
+Bad requests get a 4xx JSON error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``;
+nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from tscale_p2p.errors import UserError
+from tscale_p2p.generate import GenerationEngine, GenerationSequence, SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+MAX_SEQUENCES_PER_REQUEST = 64
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Fields of OpenAI's completion request that change the result and that we do not implement: refused
+# unless they hold their neutral value, rather than silently ignored.
+_UNSUPPORTED = {"logprobs": None, "suffix": None, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
+                "logit_bias": {}}
+
+
+class RequestError(Exception):
+    """A request we refuse: HTTP status, message, and the offending parameter when there is one."""
+
+    def __init__(self, status: HTTPStatus, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass
+class CompletionRequest:
+    """A validated ``/v1/completions`` body: choice i completes prompts[i // n]."""
+
+    prompts: list[str]
+    n: int
+    params: SamplingParams
+    stream: bool
+    echo: bool
+
+    def sequences(self) -> list[GenerationSequence]:
+        seqs = []
+        for prompt in self.prompts:
+            for j in range(self.n):
+                params = self.params
+                if params.seed is not None and j:  # n choices of one seeded request differ, reproducibly
+                    params = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
+                seqs.append(GenerationSequence(prompt, params))
+        return seqs
+
+
+def parse_completion_request(body: object, model_id: str) -> CompletionRequest:
+    """Check a decoded JSON body field by field; raise `RequestError` naming the first bad one."""
+    if not isinstance(body, dict):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_id:
+        raise RequestError(
+            HTTPStatus.NOT_FOUND, f"model {model!r} does not exist; this server has {model_id!r}", "model",
+            "model_not_found",
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    else:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "prompt must be a string or a non-empty list of strings", "prompt")
+    for name, neutral in _UNSUPPORTED.items():
+        if body.get(name, neutral) not in (neutral, None):
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{name} is not supported by this server", name)
+    n = _field(body, "n", int, 1)
+    if n < 1:
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"n must be at least 1, got {n}", "n")
+    if n * len(prompts) > MAX_SEQUENCES_PER_REQUEST:
+        raise RequestError(
+            HTTPStatus.BAD_REQUEST,
+            f"{n * len(prompts)} completions in one request; at most {MAX_SEQUENCES_PER_REQUEST}", "n",
+        )
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "stop must be a string or a list of strings", "stop")
+    try:
+        params = SamplingParams(
+            max_tokens=_field(body, "max_tokens", int, DEFAULT_MAX_TOKENS),
+            temperature=_field(body, "temperature", float, 1.0),
+            top_k=_field(body, "top_k", int, 0),
+            top_p=_field(body, "top_p", float, 1.0),
+            seed=_field(body, "seed", int, None),
+            stop=tuple(stop),
+        )
+    except UserError as error:
+        raise RequestError(HTTPStatus.BAD_REQUEST, str(error)) from None
+    return CompletionRequest(
+        prompts=prompts, n=n, params=params, stream=_field(body, "stream", bool, False),
+        echo=_field(body, "echo", bool, False),
+    )
+
+
+def _field(body: dict, name: str, kind: type, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    accepted = (int, float) if kind is float else (kind,)
+    if isinstance(value, bool) is not (kind is bool) or not isinstance(value, accepted):
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"{name} must be {kind.__name__}, got {value!r}", name)
+    return value
+
+
+class CompletionService:
+    """The worker thread that owns the engine: batches what is submitted and reports each sequence's text.
+
+    Each submitted batch of sequences has one outbox (a queue) that receives ``(index, text, finish_reason)``
+    events, and ``(None, message, "error")`` if the engine fails."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        self.engine = engine
+        self.decode_steps = 0
+        self._inbox: queue.Queue[tuple[list[GenerationSequence], queue.Queue]] = queue.Queue()
+        self._waiting: list[GenerationSequence] = []
+        self._outboxes: dict[GenerationSequence, tuple[int, queue.Queue]] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="generation", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+
+    def submit(self, seqs: list[GenerationSequence]) -> queue.Queue:
+        outbox: queue.Queue = queue.Queue()
+        self._inbox.put((seqs, outbox))
+        return outbox
+
+    def status(self) -> dict:
+        return {"slots": len(self.engine.slots), "active": len(self.engine.active), "waiting": len(self._waiting)}
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._collect(block=not (self._waiting or self.engine.active))
+            self._forget_cancelled()
+            admitted = self._waiting[: self.engine.free_slots]
+            self._waiting = self._waiting[len(admitted) :]
+            try:
+                self._post(self.engine.admit(admitted))
+                if self.engine.active:
+                    self._post(self.engine.step())
+                    self.decode_steps += 1
+            except Exception as error:  # a failing engine fails its requests, never the server
+                log.exception("generation failed")
+                self._fail(admitted + self.engine.active, f"generation failed: {error}")
+
+    def _forget_cancelled(self) -> None:
+        """Drop sequences whose client went away: from the queue, and their outboxes (the engine frees
+        their slots at its next step)."""
+        self._waiting = [seq for seq in self._waiting if not seq.cancelled]
+        for seq in [seq for seq in self._outboxes if seq.cancelled]:
+            del self._outboxes[seq]
+
+    def _collect(self, block: bool) -> None:
+        try:
+            seqs, outbox = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+            while True:
+                for index, seq in enumerate(seqs):
+                    self._outboxes[seq] = (index, outbox)
+                self._waiting.extend(seqs)
+                seqs, outbox = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _post(self, deltas: dict[GenerationSequence, str]) -> None:
+        for seq, text in deltas.items():
+            index, outbox = self._outboxes[seq]
+            outbox.put((index, text, seq.finish_reason))
+            if seq.done:
+                del self._outboxes[seq]
+
+    def _fail(self, seqs: list[GenerationSequence], message: str) -> None:
+        outboxes = {id(box): box for box in (self._outboxes.pop(seq, (0, None))[1] for seq in seqs) if box}
+        self.engine.cancel(seqs)
+        for outbox in outboxes.values():
+            outbox.put((None, message, "error"))
+
+
+class CompletionServer(ThreadingHTTPServer):
+    """The HTTP front: `serve_forever()` in the foreground, or `start()` / `close()` around it."""
+
+    daemon_threads = True
+
+    def __init__(self, engine: GenerationEngine, model_id: str, host: str = "127.0.0.1", port: int = 8000):
+        self.model_id = model_id
+        self.created = int(time.time())
+        self.service = CompletionService(engine)
+        try:
+            super().__init__((host, port), _CompletionHandler)
+        except OSError as error:
+            raise UserError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+        self.service.start()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        """Serve in a background thread."""
+        self._thread = threading.Thread(target=self.serve_forever, name="http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving (from another thread than `serve_forever`'s), stop the worker, free the port."""
+        self.shutdown()
+        if self._thread is not None:
+            self._thread.join()
+        self.service.stop()
+        self.server_close()
+
+
+class _CompletionHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: CompletionServer
+
+    def log_message(self, format: str, *args) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        model = {"id": self.server.model_id, "object": "model", "created": self.server.created,
+                 "owned_by": "tscale-p2p"}
+        if path == "/health":
+            self._send_json(HTTPStatus.OK, {"status": "ok", "model": self.server.model_id, **self.server.service.status()})
+        elif path == "/v1/models":
+            self._send_json(HTTPStatus.OK, {"object": "list", "data": [model]})
+        elif path == f"/v1/models/{self.server.model_id}":
+            self._send_json(HTTPStatus.OK, model)
+        else:
+            self._send_error(RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: GET {self.path}"))
+
+    def do_POST(self) -> None:
+        try:
+            if urlsplit(self.path).path != "/v1/completions":
+                self._read_body()  # keep the connection usable
+                raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {self.path}")
+            request = parse_completion_request(self._read_json(), self.server.model_id)
+            seqs = request.sequences()
+            for seq in seqs:
+                self.server.service.engine.check(seq)
+        except RequestError as error:
+            self._send_error(error)
+            return
+        except UserError as error:
+            self._send_error(RequestError(HTTPStatus.BAD_REQUEST, str(error), "prompt"))
+            return
+        outbox = self.server.service.submit(seqs)
+        envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                    "model": self.server.model_id}
+        try:
+            if request.stream:
+                self._stream(request, seqs, outbox, envelope)
+            else:
+                self._complete(request, seqs, outbox, envelope)
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("client %s went away; cancelling its %d completion(s)", self.address_string(), len(seqs))
+        finally:
+            for seq in seqs:
+                seq.cancelled = seq.cancelled or not seq.done
+
+    def _complete(
+        self, request: CompletionRequest, seqs: list[GenerationSequence], outbox: queue.Queue, envelope: dict
+    ) -> None:
+        texts, reasons = [""] * len(seqs), [None] * len(seqs)
+        while not all(reasons):
+            index, text, reason = outbox.get()
+            if reason == "error":
+                self._send_error(RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, text, code="generation_failed"))
+                return
+            texts[index] += text
+            reasons[index] = reason
+        choices = [
+            {"index": i, "text": self._echo(request, i) + text, "logprobs": None, "finish_reason": reason}
+            for i, (text, reason) in enumerate(zip(texts, reasons))
+        ]
+        prompt_tokens = sum(len(seq.prompt) for seq in seqs[:: request.n])
+        completion_tokens = sum(len(seq.tokens) for seq in seqs)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        self._send_json(HTTPStatus.OK, {**envelope, "choices": choices, "usage": usage})
+
+    def _stream(
+        self, request: CompletionRequest, seqs: list[GenerationSequence], outbox: queue.Queue, envelope: dict
+    ) -> None:
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if request.echo:
+            for i in range(len(seqs)):
+                self._send_event({**envelope, "choices": [self._chunk(i, self._echo(request, i), None)]})
+        remaining = len(seqs)
+        while remaining:
+            index, text, reason = outbox.get()
+            if reason == "error":
+                self._send_event({"error": {"message": text, "type": "server_error", "param": None,
+                                            "code": "generation_failed"}})
+                break
+            if text or reason:
+                self._send_event({**envelope, "choices": [self._chunk(index, text, reason)]})
+            remaining -= reason is not None
+        self._send_chunk(b"data: [DONE]\n\n")
+        self._send_chunk(b"")
+
+    def _echo(self, request: CompletionRequest, index: int) -> str:
+        return request.prompts[index // request.n] if request.echo else ""
+
+    @staticmethod
+    def _chunk(index: int, text: str, reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+    def _send_event(self, payload: dict) -> None:
+        self._send_chunk(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+    def _send_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _read_body(self) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self.close_connection = True
+            raise RequestError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
+        if not length.isdigit():
+            self.close_connection = True
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length!r}")
+        if int(length) > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body over {MAX_BODY_BYTES} bytes")
+        return self.rfile.read(int(length))
+
+    def _read_json(self) -> object:
+        try:
+            return json.loads(self._read_body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {error}") from None
+
+    def _send_error(self, error: RequestError) -> None:
+        kind = "invalid_request_error" if error.status < 500 else "server_error"
+        self._send_json(error.status, {"error": {"message": error.message, "type": kind, "param": error.param,
+                                                 "code": error.code}})
+
+    def _send_json(self, status: HTTPStatus, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
