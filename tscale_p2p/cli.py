@@ -11,6 +11,7 @@ from dataclasses import MISSING, fields
 from tscale_p2p import __version__
 from tscale_p2p.config import TrainConfig, field_types
 from tscale_p2p.errors import UserError
+from tscale_p2p.generate_cli import add_infer_parser, add_serve_parser
 
 PROG = "tscale-peer"
 
@@ -83,6 +84,13 @@ def build_parser() -> ArgumentParser:
     train.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file; flags override it")
     add_dataclass_flags(train, TrainConfig)
     train.set_defaults(handler=run_train)
+
+    from tscale_p2p.peers.cli import add_join_parser, add_peers_parser  # here: peers.cli imports this module
+
+    add_join_parser(commands)
+    add_peers_parser(commands)
+    add_infer_parser(commands)
+    add_serve_parser(commands)
     return parser
 
 

@@ -1,0 +1,182 @@
+"""The swarm subcommands of `tscale-peer`: `join` and `peers`.
+
+`tscale_p2p.cli.build_parser()` calls `add_join_parser` and `add_peers_parser`; the handlers import the
+network stack only when they run, so `tscale-peer --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+from tscale_p2p.cli import add_dataclass_flags, train_config_from_args
+from tscale_p2p.config import TrainConfig, read_toml_section
+from tscale_p2p.errors import UserError
+
+DEFAULT_RUN_ID = "tscale"
+
+
+def add_join_parser(commands) -> None:
+    join = commands.add_parser(
+        "join",
+        help="train together with a peer-to-peer swarm",
+        description="Join a training swarm (or start one: without --initial-peers this peer founds a new run and "
+        "prints the line others use to join). Joiners adopt the run's model and schedule, so they need no "
+        "model flags; Ctrl+C saves a checkpoint and leaves.",
+    )
+    swarm = join.add_argument_group("swarm")
+    swarm.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+                       help="multiaddrs of running peers, e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...")
+    swarm.add_argument("--run-id", default=DEFAULT_RUN_ID, metavar="NAME",
+                       help=f"which run to join; DHT keys are namespaced by it (default: {DEFAULT_RUN_ID})")
+    swarm.add_argument("--name", metavar="PUBLIC_NAME", help="the name other peers see (default: peer-<id suffix>)")
+    swarm.add_argument("--identity-path", metavar="FILE",
+                       help="private key file that keeps this peer's id across restarts (default: OUT/identity.key)")
+    swarm.add_argument("--host-maddrs", nargs="+", default=[], metavar="MADDR",
+                       help="where to listen (default: /ip4/0.0.0.0/tcp/PORT)")
+    swarm.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
+                       help="addresses to tell other peers, e.g. the public address in front of a port forward")
+    swarm.add_argument("--port", type=int, metavar="PORT", help="TCP port to listen on, all interfaces (default: any)")
+    swarm.add_argument("--client-mode", action="store_true",
+                       help="behind NAT/firewall: only dial out (reached through relays); serves no state")
+    swarm.add_argument("--inner-steps", type=int, metavar="H",
+                       help="local steps between averaging rounds (a new run's setting; default 100)")
+    swarm.add_argument("--outer-lr", type=float, metavar="LR", help="outer Nesterov SGD learning rate (new run; 0.7)")
+    swarm.add_argument("--outer-momentum", type=float, metavar="M", help="outer Nesterov momentum (new run; 0.9)")
+    swarm.add_argument("--max-steps", type=int, metavar="N", help="stop after N local steps (for scripts)")
+    swarm.add_argument("--matchmaking-time", type=float, default=5.0, metavar="S",
+                       help="seconds a round waits to gather peers (default: 5)")
+    swarm.add_argument("--averaging-timeout", type=float, default=30.0, metavar="S",
+                       help="a round that finds no group in S seconds is applied alone (default: 30)")
+    swarm.add_argument("--no-tui", action="store_true", help="plain log lines instead of the dashboard")
+    training = join.add_argument_group("training (a joiner adopts the run's model and schedule)")
+    training.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file; flags override it")
+    add_dataclass_flags(training, TrainConfig, skip=("resume",))  # join resumes whenever OUT has a checkpoint
+    join.set_defaults(handler=run_join)
+
+
+def add_peers_parser(commands) -> None:
+    peers = commands.add_parser(
+        "peers",
+        help="list the live peers of a swarm run",
+        description="Connect to a swarm (dial-out only) and print the metrics every live peer publishes.",
+    )
+    peers.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of running peers")
+    peers.add_argument("--run-id", default=DEFAULT_RUN_ID, metavar="NAME", help=f"the run (default: {DEFAULT_RUN_ID})")
+    peers.add_argument("--json", action="store_true", help="print JSON (a list of records) instead of a table")
+    peers.set_defaults(handler=run_peers)
+
+
+def run_join(args: argparse.Namespace) -> int:
+    from tscale_p2p.peers.join import JoinOptions, join
+    from tscale_p2p.peers.network import NetworkOptions, host_maddrs_for, parse_multiaddrs
+    from tscale_p2p.peers.run_config import check_run_id
+
+    run_id = check_run_id(args.run_id)
+    explicit = _explicit_settings(args)
+    cfg = train_config_from_args(args)
+    if "out" not in explicit:
+        cfg = replace(cfg, out=str(Path("runs") / run_id))
+    for name in ("inner_steps", "max_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("matchmaking_time", "averaging_timeout"):
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    network = NetworkOptions(
+        initial_peers=parse_multiaddrs(args.initial_peers, "--initial-peers", need_peer_id=True),
+        host_maddrs=host_maddrs_for(args.port, args.host_maddrs),
+        announce_maddrs=parse_multiaddrs(args.announce_maddrs, "--announce-maddrs"),
+        client_mode=args.client_mode,
+        identity_path=args.identity_path or str(Path(cfg.out) / "identity.key"),
+    )
+    options = JoinOptions(
+        network=network,
+        run_id=run_id,
+        name=args.name,
+        inner_steps=args.inner_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        max_steps=args.max_steps,
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.averaging_timeout,
+    )
+    return join(cfg, explicit, options)
+
+
+def _explicit_settings(args: argparse.Namespace) -> dict:
+    """Settings the user chose (TOML file, then flags): these must agree with a run being joined."""
+    explicit = read_toml_section(args.config, TrainConfig) if args.config else {}
+    explicit.update({f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    for name in ("inner_steps", "outer_lr", "outer_momentum"):
+        if getattr(args, name) is not None:
+            explicit[name] = getattr(args, name)
+    return explicit
+
+
+def run_peers(args: argparse.Namespace) -> int:
+    from tscale_p2p.peers.metrics import SwarmMetrics
+    from tscale_p2p.peers.network import NetworkOptions, parse_multiaddrs, start_dht
+    from tscale_p2p.peers.run_config import check_run_id
+
+    run_id = check_run_id(args.run_id)
+    network = NetworkOptions(
+        initial_peers=parse_multiaddrs(args.initial_peers, "--initial-peers", need_peer_id=True),
+        host_maddrs=("/ip4/127.0.0.1/tcp/0",),  # dial-out only: nothing needs to reach us
+        client_mode=True,
+        retry_for_s=30.0,
+    )
+    dht = start_dht(network)
+    try:
+        records = SwarmMetrics(dht, run_id).fetch()
+    finally:
+        dht.shutdown()
+    if args.json:
+        print(json.dumps([asdict(record) for record in records], indent=2))
+    else:
+        print_peer_table(run_id, records)
+    return 0
+
+
+def print_peer_table(run_id: str, records) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not records:
+        console.print(f"no live peers in run {run_id!r}")
+        return
+    table = Table(title=f"run {run_id}: {len(records)} live peer(s)")
+    for column in ("name", "peer id", "device", "precision", "tok/s", "loss", "round", "step", "tokens",
+                   "sent", "received", "last avg", "version"):
+        table.add_column(column, justify="right" if column in ("tok/s", "loss", "round", "step", "tokens") else "left")
+    now = time.time()
+    for r in records:
+        table.add_row(
+            r.name + (" (relayed)" if r.relayed else ""),
+            "…" + r.peer_id[-8:],
+            r.device,
+            r.precision + (" +offload" if r.offload else ""),
+            f"{r.tokens_per_s:,.0f}",
+            "-" if r.loss is None else f"{r.loss:.4f}",
+            str(r.round),
+            str(r.step),
+            f"{r.tokens_contributed:,}",
+            _size(r.bytes_sent),
+            _size(r.bytes_received),
+            "never" if r.last_averaging is None else f"{now - r.last_averaging:.0f} s ago",
+            r.version,
+        )
+    console.print(table)
+
+
+def _size(n: int) -> str:
+    value, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"

@@ -1,0 +1,272 @@
+"""`tscale-peer join`: get onto the DHT, adopt (or start) the run, download the state, train in the swarm.
+
+Order of a join, and why:
+
+1. Start a DHT node (retrying while the initial peers are unreachable); its peer id seeds this peer's data
+   sampling, so volunteers train on different windows.
+2. Fetch the run config under ``{run_id}_config``, refuse contradicting flags, adopt it; a peer that
+   finds none starts the run and publishes its own.
+3. Build the trainer (resuming from a local checkpoint when there is one) with the run's initial weights,
+   start the averager, and download the current shared weights and outer momentum from a live peer.
+4. Run `SwarmPeer` until --max-steps, the run's last step, Ctrl+C/SIGTERM, or the dashboard asks to stop;
+   then save a checkpoint and leave (exit 0).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from tscale_p2p.checkpoint import find_latest
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.data import load_corpus
+from tscale_p2p.errors import UserError
+from tscale_p2p.model import Transformer
+from tscale_p2p.peers.averaging import SwarmAverager
+from tscale_p2p.peers.metrics import SwarmMetrics
+from tscale_p2p.peers.network import NetworkOptions, start_dht
+from tscale_p2p.peers.run_config import (
+    RunConfig,
+    fetch_run_config,
+    load_saved_run_config,
+    publish_run_config,
+    save_run_config,
+)
+from tscale_p2p.peers.status import LocalStatus
+from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
+from tscale_p2p.solo import GracefulStop, model_config_for, prepare_trainer
+from tscale_p2p.trainer import resolve_device
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INNER_STEPS = 100
+DEFAULT_OUTER_LR = 0.7  # DiLoCo's outer Nesterov SGD
+DEFAULT_OUTER_MOMENTUM = 0.9
+STATE_DOWNLOAD_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    """The swarm flags of `tscale-peer join` (the training flags are a `TrainConfig`)."""
+
+    network: NetworkOptions
+    run_id: str
+    name: str | None = None
+    inner_steps: int | None = None  # None: the run's (or DEFAULT_INNER_STEPS for a new run)
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    max_steps: int | None = None
+    matchmaking_time: float = 5.0
+    averaging_timeout: float = 30.0
+    publish_every_s: float = 5.0
+
+
+def _reset_signals_in_child() -> None:
+    """In hivemind's forked DHT/averager processes: leave Ctrl+C to the parent (it shuts them down after the
+    last round), let hivemind's own SIGTERM end them, and die with the parent even if it is SIGKILLed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_PR_SET_PDEATHSIG = 1
+os.register_at_fork(after_in_child=_reset_signals_in_child)
+
+
+def join(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus | None = None) -> int:
+    """Run one swarm peer to completion; returns the exit code. `explicit` holds the settings the user gave
+    (flag name -> value), which must agree with the run's; `status` is updated live for a dashboard."""
+    status = status or LocalStatus()
+    logging.getLogger("tscale_p2p").addHandler(status.log_handler())
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        # hivemind logs a traceback for every round that finds no group; our loop reports it in one line.
+        logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
+    with GracefulStop() as stop:
+        should_stop = lambda: stop.requested or status.stop_requested.is_set()  # noqa: E731
+        dht = start_dht(options.network, should_stop)
+        if dht is None:
+            return 0
+        try:
+            return _join_swarm(dht, cfg, explicit, options, status, should_stop)
+        finally:
+            dht.shutdown()
+
+
+def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus, should_stop) -> int:
+    peer_id = str(dht.peer_id)
+    maddrs = _sorted_maddrs(dht)
+    device = resolve_device(cfg.device)
+    corpus = load_corpus(cfg.data)
+    tokenizer = tokenizer_name(corpus)
+    published = fetch_run_config(dht, options.run_id) if options.network.initial_peers else None
+    saved = load_saved_run_config(cfg.out)
+    if published is not None and saved is not None and published.hash != saved.hash:
+        raise UserError(
+            f"{cfg.out!r} holds checkpoints of another configuration than run {options.run_id!r}; choose another --out"
+        )
+    run = published or saved
+    if run is not None:
+        run.check_flags(options.run_id, explicit)
+        if tokenizer != run.tokenizer:
+            raise UserError(
+                f"--data {cfg.data!r} is tokenized as {tokenizer}, but run {options.run_id!r} uses {run.tokenizer}"
+            )
+        log.info("%s run %r (config %s): model %s, %d inner steps", "joined" if published else "continuing",
+                 options.run_id, run.hash[:12], run.model_config.dims, run.inner_steps)
+    else:
+        run = RunConfig.from_settings(
+            cfg,
+            model_config_for(cfg, device.type, corpus.vocab_size),
+            tokenizer,
+            inner_steps=options.inner_steps or DEFAULT_INNER_STEPS,
+            outer_lr=options.outer_lr or DEFAULT_OUTER_LR,
+            outer_momentum=options.outer_momentum if options.outer_momentum is not None else DEFAULT_OUTER_MOMENTUM,
+        )
+        log.info("started run %r (config %s): model %s, %d inner steps", options.run_id, run.hash[:12],
+                 run.model_config.dims, run.inner_steps)
+    if published is None:
+        publish_run_config(dht, options.run_id, run)
+    save_run_config(cfg.out, run)
+    if not options.network.initial_peers:
+        _print_join_line(maddrs, options.run_id)
+
+    resume = find_latest(Path(cfg.out)) is not None
+    if resume:
+        log.info("resuming from the checkpoint in %s", cfg.out)
+    cfg = replace(run.apply_to(cfg), seed=peer_seed(peer_id, cfg.seed), resume=resume)
+    trainer = prepare_trainer(cfg)
+    if trainer.model_cfg != run.model_config:
+        raise UserError(f"the model built here ({trainer.model_cfg}) differs from run {options.run_id!r}'s ({run.model_config})")
+    if not resume:
+        trainer.apply_outer_update(initial_weights(run))
+    name = options.name or f"peer-{peer_id[-6:]}"
+    identity = SwarmIdentity(
+        peer_id=peer_id,
+        name=name,
+        run_id=options.run_id,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        relayed=options.network.client_mode,
+        visible_maddrs=tuple(maddrs),
+    )
+    status.update(
+        peer_id=peer_id,
+        name=name,
+        run_id=options.run_id,
+        device=identity.device,
+        visible_maddrs=identity.visible_maddrs,
+        precision=trainer.precision,
+        offload=bool(getattr(cfg, "offload", False)),  # the offload flag arrives with the offload issue
+        inner_steps=run.inner_steps,
+        max_steps=options.max_steps,
+        step=trainer.step,
+    )
+    client_mode = options.network.client_mode
+
+    def make_averager(template, state_source):
+        return SwarmAverager(
+            template,
+            dht,
+            prefix=f"{options.run_id}_grad",
+            matchmaking_time=options.matchmaking_time,
+            round_timeout=options.averaging_timeout,
+            state_source=state_source,
+            client_mode=client_mode,
+            allow_state_sharing=False,  # switched on once this peer holds the swarm's state
+        )
+
+    peer = SwarmPeer(
+        trainer,
+        make_averager,
+        SwarmMetrics(dht, options.run_id),
+        identity,
+        status,
+        run=run,
+        max_steps=options.max_steps,
+        publish_every_s=options.publish_every_s,
+    )
+    try:
+        downloaded = bool(options.network.initial_peers) and download_state(peer, should_stop)
+        if resume and not downloaded and peer.load_saved_state():
+            log.info("continuing from the saved swarm state of round %d", peer.round)
+        if not client_mode:
+            peer.averager.allow_state_sharing = True
+        log.info("%s (%s) training on %s, %s; peer id %s", name, options.run_id, identity.device,
+                 trainer.precision, peer_id)
+        if not should_stop():
+            peer.run(should_stop)
+        if peer.wall_s > 0:
+            log.info("trainer busy %.1f%% of %.0f s in the swarm loop", 100 * peer.training_s / peer.wall_s, peer.wall_s)
+        path = peer.save()
+        log.info("checkpoint written to %s", path)
+    finally:
+        peer.shutdown()
+    return 0
+
+
+def download_state(peer: SwarmPeer, should_stop) -> bool:
+    """Fetch the shared weights and outer momentum from a live peer, with a progress display."""
+    numel = sum(t.numel() for t in peer.outer.theta)
+    expected = 2 * 4 * numel  # fp32 weights + fp32 momentum
+    console = Console(stderr=True)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("downloading the swarm's state", total=expected, completed=0, start=False)
+        for attempt in range(1, STATE_DOWNLOAD_ATTEMPTS + 1):
+            if should_stop():
+                return False
+            future = peer.averager.load_state_from_peers(wait=False)
+            while not future.done():  # hivemind downloads in the averager's process; we can only wait
+                time.sleep(0.1)
+            state = future.result()
+            if state is not None and peer.adopt_state(*state):
+                progress.start_task(task)
+                progress.update(task, completed=expected, description=f"downloaded the state of round {peer.round}")
+                return True
+            if not peer.metrics.fetch():  # nobody is training yet: we start the run's history
+                break
+            time.sleep(attempt)
+        progress.update(task, description="no peer shared its state; starting from the run's initial weights")
+    return False
+
+
+def initial_weights(run: RunConfig) -> dict[str, torch.Tensor]:
+    """The run's step-0 weights, the same on every peer (built from the run's seed on the CPU)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(run.seed)
+        model = Transformer(run.model_config)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def tokenizer_name(corpus) -> str:
+    """How the run's tokens were made: every peer's data must use the same tokens."""
+    return "byte" if corpus.tokenizer is not None else f"external-{corpus.vocab_size}"
+
+
+def peer_seed(peer_id: str, seed: int) -> int:
+    """A data-sampling seed of this peer: different peers draw different windows."""
+    digest = hashlib.sha256(f"{peer_id}/{seed}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def _sorted_maddrs(dht) -> list[str]:
+    """Visible multiaddrs, the ones other machines can use first (loopback last)."""
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    return sorted(maddrs, key=lambda m: ("/127." in m or "/::1/" in m, m))
+
+
+def _print_join_line(maddrs: list[str], run_id: str) -> None:
+    print(f"Started swarm {run_id!r}. This peer's addresses:", *(f"  {m}" for m in maddrs), sep="\n")
+    print("Others join with:")
+    print(f"  tscale-peer join --initial-peers {' '.join(maddrs)} --run-id {run_id}", flush=True)

@@ -1,0 +1,122 @@
+"""Getting onto the network: multiaddr checks, the persistent identity, and a DHT start that retries.
+
+hivemind vendors its own Multiaddr class; we validate what users type with py-multiaddr (one clear line
+for a malformed address) and hand hivemind plain strings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import multiaddr
+from hivemind import DHT
+from hivemind.p2p import P2PDaemonError
+
+from tscale_p2p.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NetworkOptions:
+    """How this peer joins the DHT (the network flags of `tscale-peer join` / `peers`)."""
+
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    client_mode: bool = False
+    identity_path: str | None = None
+    # Reconnect schedule while the initial peers are unreachable: doubling delays, capped, for at most this long.
+    retry_first_delay_s: float = 1.0
+    retry_max_delay_s: float = 30.0
+    retry_for_s: float = 600.0
+
+
+def parse_multiaddrs(values: Sequence[str], flag: str, need_peer_id: bool = False) -> tuple[str, ...]:
+    """Validate multiaddrs with py-multiaddr; UserError (one line) for the first bad one."""
+    parsed = []
+    for value in values:
+        try:
+            address = multiaddr.Multiaddr(value)
+        except (multiaddr.exceptions.Error, ValueError, TypeError) as error:
+            raise UserError(f"{flag}: {value!r} is not a valid multiaddr ({_first_line(error)})") from None
+        if need_peer_id and "p2p" not in [protocol.name for protocol in address.protocols()]:
+            raise UserError(
+                f"{flag}: {value!r} has no /p2p/<peer id> part; copy the full address a running peer printed"
+            )
+        parsed.append(str(address))
+    return tuple(parsed)
+
+
+def host_maddrs_for(port: int | None, host_maddrs: Sequence[str]) -> tuple[str, ...]:
+    """--host-maddrs as given, else all interfaces on --port (0: any free port), so volunteers are reachable."""
+    if host_maddrs:
+        if port is not None:
+            raise UserError("give either --port or --host-maddrs, not both")
+        return parse_multiaddrs(host_maddrs, "--host-maddrs")
+    if port is not None and not 0 <= port < 65536:
+        raise UserError(f"--port must be in 0-65535, got {port}")
+    return (f"/ip4/0.0.0.0/tcp/{port or 0}",)
+
+
+def start_dht(options: NetworkOptions, should_stop: Callable[[], bool] = lambda: False) -> DHT | None:
+    """Start a hivemind DHT node. While the initial peers cannot be reached, log one line and retry with
+    backoff; UserError when they stay unreachable for `retry_for_s`. None if `should_stop()` while waiting."""
+    if options.identity_path:
+        Path(options.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    delay, deadline, attempt = options.retry_first_delay_s, time.monotonic() + options.retry_for_s, 0
+    while True:
+        attempt += 1
+        try:
+            return DHT(
+                initial_peers=list(options.initial_peers),
+                host_maddrs=list(options.host_maddrs),
+                announce_maddrs=list(options.announce_maddrs) or None,
+                client_mode=options.client_mode,
+                identity_path=str(Path(options.identity_path).expanduser()) if options.identity_path else None,
+                use_relay=True,
+                use_auto_relay=options.client_mode,
+                start=True,
+            )
+        except (P2PDaemonError, RuntimeError) as error:
+            reason = _first_line(error)
+            if "already taken" in reason:
+                raise UserError(
+                    f"identity {options.identity_path} is in use by another running peer; "
+                    f"give this one its own --identity-path"
+                ) from None
+            if "address already in use" in reason.lower() or "failed to listen" in reason.lower():
+                raise UserError(f"cannot listen on {', '.join(options.host_maddrs)}: {reason}") from None
+            if not options.initial_peers:
+                raise
+            if time.monotonic() + delay > deadline:
+                raise UserError(
+                    f"cannot reach any initial peer ({', '.join(options.initial_peers)}) after {attempt} attempts: "
+                    f"{reason}"
+                ) from None
+            log.warning(
+                "cannot reach the initial peers yet (%s); retrying in %.0f s (attempt %d)", reason, delay, attempt
+            )
+            if _sleep_unless(delay, should_stop):
+                return None
+            delay = min(delay * 2, options.retry_max_delay_s)
+
+
+def _sleep_unless(seconds: float, should_stop: Callable[[], bool]) -> bool:
+    """Sleep `seconds` in short naps; True (early) as soon as `should_stop()`."""
+    end = time.monotonic() + seconds
+    while not should_stop():
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(0.2, left))
+    return True
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,403 @@
+"""`SwarmPeer`: the join loop. Trains H local steps, averages the pseudo-gradient in the background while
+the next round trains, and applies the outer update one round late with a correction.
+
+The loop talks to the trainer only through `local_step()`, `snapshot()` and `apply_outer_update()`, and to
+the network only through `SwarmAverager` (peers/averaging.py) and `SwarmMetrics`.
+
+Outer state: the shared weights `theta` (what every peer agrees the model is after the last outer step) and
+the Nesterov momentum of the outer SGD. They are what a joining peer downloads.
+
+One round, r, as this peer runs it::
+
+    round r trains from `round_start` ........ ends: delta_r = round_start - weights; start averaging delta_r
+    round r+1 trains at once ..... average of delta_r arrives: theta <- outer_sgd(theta, average);
+                                   weights <- theta + (weights - round_start)   (keep the local progress)
+                                   round_start <- theta
+
+so the pseudo-gradient of every round is measured from `theta`, and the network time of round r hides
+behind the compute of round r+1. The trainer never waits for the network: if round r+1 reaches H steps
+before the average of round r arrives, it keeps training and ends at the first step after the arrival.
+A round that finds nobody, or fails, is applied with this peer's own pseudo-gradient: a lonely peer
+simply continues alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from tscale_p2p import __version__
+from tscale_p2p.peers.averaging import PendingRound, RoundOutcome, SwarmAverager
+from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
+from tscale_p2p.peers.run_config import RunConfig, publish_run_config
+from tscale_p2p.peers.status import AveragingRecord, LocalStatus
+from tscale_p2p.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+SWARM_STATE_FILE = "swarm-state.safetensors"
+CONFIG_REFRESH_S = 3600.0
+
+
+@dataclass(frozen=True)
+class SwarmIdentity:
+    """Who this peer is in the swarm (for metrics and status)."""
+
+    peer_id: str
+    name: str
+    run_id: str
+    device: str
+    relayed: bool
+    visible_maddrs: tuple[str, ...] = ()
+
+
+class OuterOptimizer:
+    """Nesterov-momentum SGD on the averaged pseudo-gradient (DiLoCo), identical on every peer.
+
+    Holds the shared weights `theta` and torch's SGD momentum buffers, fp32 on the CPU.
+    """
+
+    def __init__(self, theta: list[torch.Tensor], lr: float, momentum: float) -> None:
+        self.theta = [t.detach().float().cpu().clone() for t in theta]
+        self.sgd = torch.optim.SGD(self.theta, lr=lr, momentum=momentum, nesterov=True)
+
+    @torch.no_grad()
+    def step(self, pseudo_gradient: list[torch.Tensor]) -> None:
+        for param, grad in zip(self.theta, pseudo_gradient):
+            param.grad = grad.to(param.dtype)
+        self.sgd.step()
+        for param in self.theta:
+            param.grad = None
+
+    def momentum(self) -> list[torch.Tensor]:
+        """The momentum buffers (zeros before the first step)."""
+        return [
+            buffer if (buffer := self.sgd.state.get(p, {}).get("momentum_buffer")) is not None else torch.zeros_like(p)
+            for p in self.theta
+        ]
+
+    @torch.no_grad()
+    def load(self, theta: list[torch.Tensor], momentum: list[torch.Tensor]) -> None:
+        for param, value, buffer in zip(self.theta, theta, momentum):
+            param.copy_(value)
+            self.sgd.state[param]["momentum_buffer"] = buffer.float().clone()
+
+
+@dataclass
+class _InFlight:
+    """A round whose average has not been applied yet."""
+
+    number: int
+    pending: PendingRound
+    pseudo_gradient: list[torch.Tensor]
+    tokens: int
+
+
+class SwarmPeer:
+    """Runs the rounds of one peer until `max_steps`, the run's last step, or a stop request."""
+
+    STATE_FORMAT = 1
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        averager_factory,
+        metrics: SwarmMetrics,
+        identity: SwarmIdentity,
+        status: LocalStatus,
+        *,
+        run: RunConfig,
+        max_steps: int | None = None,
+        publish_every_s: float = 5.0,
+    ) -> None:
+        self.trainer, self.metrics, self.identity, self.status = trainer, metrics, identity, status
+        self.run_config, self.inner_steps, self.run_hash = run, run.inner_steps, run.hash
+        self.max_steps, self.publish_every_s = max_steps, publish_every_s
+        self.names = [name for name, _ in trainer.model.named_parameters()]
+        weights = trainer.snapshot()
+        self.outer = OuterOptimizer([weights[n] for n in self.names], run.outer_lr, run.outer_momentum)
+        self.round_start = [t.clone() for t in self.outer.theta]
+        self.round = 0  # outer steps applied
+        self._state_lock = threading.Lock()  # guards outer state + round for get_current_state's thread
+        self.averager: SwarmAverager = averager_factory(self.outer.theta, self.shared_state)
+        self.bytes_sent = self.bytes_received = 0
+        self.last_averaging: float | None = None
+        self.tokens_contributed = 0
+        self._tokens_in_round = 0
+        self._in_flight: _InFlight | None = None
+        self._stop_publishing = threading.Event()
+        self._publisher = threading.Thread(target=self._publish_loop, name="swarm-metrics", daemon=True)
+        self.training_s = self.wall_s = 0.0  # for the busy fraction
+
+    # ---- state shared with joiners (called from hivemind's background thread) ----
+
+    def shared_state(self) -> tuple[dict, list[torch.Tensor]]:
+        """(metadata, tensors) a joiner downloads: theta then the outer momentum, plus round and step."""
+        with self._state_lock:
+            metadata = {
+                "format": self.STATE_FORMAT,
+                "run_hash": self.run_hash,
+                "round": self.round,
+                "step": self.trainer.step,
+            }
+            tensors = [t.clone() for t in self.outer.theta] + [m.clone() for m in self.outer.momentum()]
+        return metadata, tensors
+
+    def adopt_state(self, metadata: object, tensors: list[torch.Tensor], keep_local_weights: bool = False) -> bool:
+        """Take a downloaded (or saved) state as our own; False (and a warning) if it does not fit this run.
+
+        The trainer's weights become the state's theta, or with `keep_local_weights` stay as they are and
+        count as local progress of the current round."""
+        count = len(self.names)
+        if not isinstance(metadata, dict) or metadata.get("format") != self.STATE_FORMAT:
+            log.warning("ignoring downloaded state: unknown format")
+            return False
+        if metadata.get("run_hash") != self.run_hash:
+            log.warning("ignoring downloaded state: it belongs to another run config")
+            return False
+        if len(tensors) != 2 * count or any(
+            t.shape != p.shape for t, p in zip(tensors, self.outer.theta + self.outer.theta)
+        ):
+            log.warning("ignoring downloaded state: %d tensors that do not fit the model", len(tensors))
+            return False
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            log.warning("ignoring downloaded state: it has non-finite values")
+            return False
+        with self._state_lock:
+            self.outer.load(tensors[:count], tensors[count:])
+            self.round = int(metadata.get("round", 0))
+            self.trainer.step = max(self.trainer.step, int(metadata.get("step", 0)))
+        if not keep_local_weights:
+            self.trainer.apply_outer_update(dict(zip(self.names, self.outer.theta)))
+        self.round_start = [t.clone() for t in self.outer.theta]
+        self._advertise_state()
+        self.status.update(round=self.round, step=self.trainer.step)
+        return True
+
+    def _advertise_state(self) -> None:
+        # Joiners download from the peer with the highest priority: the one that has applied the most rounds.
+        if not self.averager.client_mode:
+            self.averager.state_sharing_priority = float(self.round)
+
+    # ---- on disk, beside the trainer's checkpoints ----
+
+    def save(self) -> Path:
+        """The trainer's checkpoint, then the outer state (theta, momentum, round) in OUT/swarm-state.safetensors."""
+        path = self.trainer.save(self.trainer.cfg.out)
+        metadata, tensors = self.shared_state()
+        target = Path(self.trainer.cfg.out) / SWARM_STATE_FILE
+        temporary = target.with_name(f".tmp-{SWARM_STATE_FILE}")
+        save_file(
+            {f"{i:05d}": t.contiguous() for i, t in enumerate(tensors)},
+            temporary,
+            metadata={"state": json.dumps(metadata)},
+        )
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)  # atomic: a crash leaves the old file or the new one
+        return path
+
+    def load_saved_state(self) -> bool:
+        """Adopt OUT/swarm-state.safetensors if it exists and fits this run (after a local resume)."""
+        path = Path(self.trainer.cfg.out) / SWARM_STATE_FILE
+        if not path.exists():
+            return False
+        try:
+            with safe_open(path, framework="pt") as handle:
+                metadata = json.loads(handle.metadata()["state"])
+                tensors = [handle.get_tensor(key) for key in sorted(handle.keys())]
+        except (OSError, ValueError, KeyError, SafetensorError) as error:
+            log.warning("ignoring %s: %s", path, error)
+            return False
+        metadata["step"] = self.trainer.step  # the trainer's own checkpoint knows its step best
+        return self.adopt_state(metadata, tensors, keep_local_weights=True)
+
+    # ---- the loop ----
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Train rounds until done, `should_stop()` or `status.stop_requested`; leaves the last round applied."""
+        self._publisher.start()
+        session_steps, steps_in_round = 0, 0
+        window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+        loop_start = time.perf_counter()
+        try:
+            while not (should_stop() or self._should_stop(session_steps)):
+                if self.status.paused.is_set():
+                    self._poll_in_flight()
+                    time.sleep(0.1)
+                    continue
+                step_start = time.perf_counter()
+                stats = self.trainer.local_step()
+                self.training_s += time.perf_counter() - step_start
+                session_steps += 1
+                steps_in_round += 1
+                self._tokens_in_round += stats.tokens
+                self.tokens_contributed += stats.tokens
+                window_tokens += stats.tokens
+                window_steps += 1
+                self._poll_in_flight()
+                # A round ends after H steps, or later if the previous average is still on its way: the
+                # trainer never waits for the network, a slow round just makes the next one longer.
+                if steps_in_round >= self.inner_steps and self._in_flight is None:
+                    self._end_round()
+                    steps_in_round = 0
+                cfg = self.trainer.cfg
+                if cfg.save_every and stats.step % cfg.save_every == 0:
+                    self.save()
+                log_line = stats.step % cfg.log_every == 0
+                elapsed = time.perf_counter() - window_start
+                if elapsed >= 1.0 or log_line or session_steps == 1:
+                    self.trainer.synchronize()
+                    elapsed = time.perf_counter() - window_start
+                    self._report(stats.loss.item(), window_tokens / elapsed, elapsed / window_steps, steps_in_round, log_line)
+                    window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+        finally:
+            self._drain()
+            self.wall_s = time.perf_counter() - loop_start
+            self._stop_publishing.set()
+            self._publisher.join(timeout=10)
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+
+    def _should_stop(self, session_steps: int) -> bool:
+        if self.status.stop_requested.is_set():
+            return True
+        if self.max_steps is not None and session_steps >= self.max_steps:
+            return True
+        return self.trainer.step >= self.trainer.cfg.steps
+
+    def _end_round(self) -> None:
+        weights = self.trainer.snapshot()
+        pseudo_gradient = [start - weights[n] for start, n in zip(self.round_start, self.names)]
+        self.round_start = [weights[n] for n in self.names]
+        number = self.round + 1
+        tokens, self._tokens_in_round = self._tokens_in_round, 0
+        try:
+            pending = self.averager.start_round(pseudo_gradient, tokens=tokens)
+        except ValueError as error:  # a non-finite local update: never share it, skip this round's outer step
+            log.error("round %d: not averaging a bad local update (%s); rewinding to the shared weights", number, error)
+            self.trainer.apply_outer_update(dict(zip(self.names, self.outer.theta)))
+            self.round_start = [t.clone() for t in self.outer.theta]
+            return
+        self._in_flight = _InFlight(number, pending, pseudo_gradient, tokens)
+        self.status.update(averaging_in_flight=True)
+
+    def _poll_in_flight(self) -> None:
+        if self._in_flight is not None and self._in_flight.pending.done():
+            self._finish(self._in_flight, self._in_flight.pending.result())
+
+    def _finish(self, flight: _InFlight, outcome: RoundOutcome) -> None:
+        """Apply a finished round's average (or our own update if alone), keeping the local progress since."""
+        self._in_flight = None
+        average = outcome.averaged if outcome.averaged is not None else flight.pseudo_gradient
+        weights = self.trainer.snapshot()
+        progress = [weights[n] - start for start, n in zip(self.round_start, self.names)]
+        with self._state_lock:
+            self.outer.step(average)
+            self.round = flight.number
+        self._advertise_state()
+        corrected = {n: theta + delta for n, theta, delta in zip(self.names, self.outer.theta, progress)}
+        self.trainer.apply_outer_update(corrected)
+        self.round_start = [t.clone() for t in self.outer.theta]
+        self.bytes_sent += outcome.bytes_sent
+        self.bytes_received += outcome.bytes_received
+        if outcome.averaged is not None:
+            self.last_averaging = time.time()
+        numel = sum(t.numel() for t in self.outer.theta)
+        self.status.record_averaging(
+            AveragingRecord(
+                round=flight.number,
+                group_size=outcome.group_size,
+                bytes_up=outcome.bytes_sent,
+                bytes_down=outcome.bytes_received,
+                duration_s=outcome.seconds,
+                bits_per_param=8 * outcome.bytes_sent / numel,
+                dropped_peers=0,
+            )
+        )
+        self.status.update(round=self.round, averaging_in_flight=False)
+        if outcome.averaged is None:
+            log.info("round %d: averaged with nobody (%s); continuing alone", flight.number, outcome.error or "no peers")
+        else:
+            log.info(
+                "round %d: averaged with %d peer(s) in %.1f s, sent %.1f KiB, received %.1f KiB",
+                flight.number,
+                outcome.group_size - 1,
+                outcome.seconds,
+                outcome.bytes_sent / 1024,
+                outcome.bytes_received / 1024,
+            )
+
+    def _drain(self) -> None:
+        """On the way out, wait for the round in flight (bounded by its timeouts) so its average is kept."""
+        if self._in_flight is not None:
+            self._finish(self._in_flight, self._in_flight.pending.result())
+
+    # ---- reporting ----
+
+    def _report(self, loss: float, tokens_per_s: float, step_s: float, steps_in_round: int, log_line: bool) -> None:
+        device = self.trainer.device
+        self.status.update(
+            step=self.trainer.step,
+            loss=loss,
+            tokens_per_s=tokens_per_s,
+            tokens_contributed=self.tokens_contributed,
+            gpu_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            seconds_to_next_averaging=(self.inner_steps - steps_in_round) * step_s,
+        )
+        if log_line:
+            log.info(
+                "step %d  round %d  loss %.4f  %.0f tok/s%s",
+                self.trainer.step,
+                self.round,
+                loss,
+                tokens_per_s,
+                "  (averaging in the background)" if self._in_flight else "",
+            )
+
+    def record(self) -> PeerRecord:
+        snap = self.status.snapshot()
+        return PeerRecord(
+            peer_id=self.identity.peer_id,
+            name=self.identity.name,
+            device=self.identity.device,
+            precision=self.trainer.precision,
+            offload=snap.offload,
+            tokens_per_s=float(snap.tokens_per_s),
+            loss=snap.loss,
+            round=snap.round,
+            step=snap.step,
+            tokens_contributed=snap.tokens_contributed,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            last_averaging=self.last_averaging,
+            version=__version__,
+            relayed=self.identity.relayed,
+            updated_at=time.time(),
+        )
+
+    def _publish_loop(self) -> None:
+        """Every few seconds: our metrics record; every hour: the run config (it outlives its founder)."""
+        config_published = -float("inf")
+        while True:
+            try:
+                self.metrics.publish(self.record())
+                self.status.update(swarm_size=max(1, len(self.metrics.fetch())))
+                if time.monotonic() - config_published > CONFIG_REFRESH_S:
+                    publish_run_config(self.metrics.dht, self.identity.run_id, self.run_config)
+                    config_published = time.monotonic()
+            except Exception as error:  # the DHT may be shutting down; metrics must never stop training
+                log.debug("publishing metrics failed: %s", error)
+            if self._stop_publishing.wait(self.publish_every_s):
+                return
