@@ -1,0 +1,348 @@
+"""The dashboard: pilot tests with a fake metrics source, snapshots at 80x24 and 160x48, a live swarm."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import threading
+from dataclasses import replace
+
+import pytest
+
+from tscale_p2p.peers.metrics import PeerRecord
+from tscale_p2p.peers.status import AveragingRecord, LocalStatus, StatusSnapshot
+from tscale_p2p.tui.app import Dashboard, PeersFetched, logging_into
+from tscale_p2p.tui.help import HelpScreen
+from tscale_p2p.tui.peers_table import PeersTable
+from tscale_p2p.tui.source import MetricsSource
+
+pytestmark = pytest.mark.timeout(60)
+
+NOW = 1_780_000_000.0  # fixed wall clock: "last seen" ages are the same on every run
+SELF_ID = "12D3KooWSelfSelfSelfSelfSelfSelfSelfSelfSelfSe1fPe"
+
+
+def peer(peer_id: str, name: str, **values) -> PeerRecord:
+    defaults = dict(
+        device="NVIDIA H200", precision="fp8", offload=False, tokens_per_s=50_000.0, loss=2.5, round=41,
+        step=8200, tokens_contributed=400_000_000, bytes_sent=3_000_000_000, bytes_received=2_900_000_000,
+        last_averaging=NOW - 30, version="0.1.0", relayed=False, updated_at=NOW - 2,
+    )  # fmt: skip
+    return PeerRecord(peer_id=peer_id, name=name, **{**defaults, **values})
+
+
+PEERS = [
+    peer(SELF_ID, "lab-h200", tokens_per_s=61_234.0, loss=2.413, round=42, tokens_contributed=512_000_000),
+    peer("12D3KooWAliceAliceAliceAliceAliceAliceAliceAlice4x", "alice", device="NVIDIA GeForce RTX 4090",
+         precision="int8", tokens_per_s=18_900.0, loss=2.471, tokens_contributed=150_000_000, updated_at=NOW - 5),
+    peer("12D3KooWBobBobBobBobBobBobBobBobBobBobBobBobBob9q", "bob-laptop", device="cpu", precision="fp32",
+         tokens_per_s=812.0, loss=2.902, round=40, tokens_contributed=3_100_000, relayed=True, updated_at=NOW - 47),
+    peer("12D3KooWCarolCarolCarolCarolCarolCarolCarolCaro7z", "carol-a100-spot", device="NVIDIA A100-SXM4-80GB",
+         precision="bf16", offload=True, tokens_per_s=33_000.0, loss=None, round=0, step=0, tokens_contributed=0,
+         updated_at=NOW - 0.4),
+]  # fmt: skip
+
+AVERAGING = tuple(
+    AveragingRecord(round=r, group_size=4 - (r % 5 == 0), bytes_up=1_120_000 + 997 * r, bytes_down=1_090_000 + 13 * r,
+                    duration_s=2.0 + (r % 3) * 0.7, bits_per_param=1.06, dropped_peers=int(r % 5 == 0),
+                    finished_at=NOW - 60 * (42 - r))
+    for r in range(30, 43)
+)  # fmt: skip
+
+LOG_LINES = (
+    "05:01:02 INFO joined run demo as lab-h200 (12D3KooWSelf…1fPe)",
+    "05:01:09 INFO downloaded state from …ice4x: 125M params in 4.1s",
+    "05:03:40 WARNING averaging round 40: peer …rol7z timed out, continuing without it",
+    "05:04:12 ERROR rejected update from …Bob9q: non-finite values",
+    "05:05:00 INFO round 42 averaged with 4 peers in 2.0s",
+)
+
+
+class FakeSource(MetricsSource):
+    """Fixed data that advances one training step per `local()` call, and records what the UI asked."""
+
+    def __init__(self, training: bool = True, peers: list[PeerRecord] = PEERS) -> None:
+        self.run_id, self.model = "demo", "e768h12d12w1024"
+        self.training = training
+        self.peers = peers
+        self.calls = 0
+        self.fetches = 0
+        self.paused = threading.Event()
+        self.stop_requested = False
+        self.done = False
+
+    def local(self) -> StatusSnapshot | None:
+        if not self.training:
+            return None
+        self.calls += 1
+        i = self.calls
+        return StatusSnapshot(
+            peer_id=SELF_ID, name="lab-h200", run_id="demo", device="NVIDIA H200", step=8200 + 10 * i,
+            max_steps=20_000, loss=2.9 - 0.5 * (1 - math.exp(-i / 15)) + 0.03 * math.sin(i),
+            tokens_per_s=60_000.0 + 2_500 * math.sin(i / 3), tokens_contributed=512_000_000,
+            gpu_memory_bytes=41_300_000_000, precision="fp8", offload=False, round=42, inner_steps=500,
+            seconds_to_next_averaging=37.5, averaging_in_flight=False, swarm_size=4,
+            paused=self.paused.is_set(), averaging=AVERAGING, log_lines=LOG_LINES, updated_at=NOW,
+        )  # fmt: skip
+
+    def fetch_peers(self) -> list[PeerRecord]:
+        self.fetches += 1
+        wobble = 1 + 0.05 * math.sin(self.fetches - 1)  # the same for every peer: the order stays
+        return [replace(p, tokens_per_s=p.tokens_per_s * wobble) for p in self.peers]
+
+    def log_lines(self):
+        return LOG_LINES
+
+    def set_paused(self, paused: bool) -> None:
+        (self.paused.set if paused else self.paused.clear)()
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
+
+    def finished(self) -> bool:
+        return self.done
+
+    def now(self) -> float:
+        return NOW
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # Textual runs on asyncio
+
+
+def quiet_dashboard(source: MetricsSource) -> Dashboard:
+    """A dashboard whose timers never fire during a test: the test drives every refresh itself."""
+    return Dashboard(source, local_interval_s=3600, swarm_interval_s=3600)
+
+
+async def settle(pilot, local_refreshes: int = 0, swarm_refreshes: int = 0) -> None:
+    """Wait for the first peer fetch to be shown, then take more local and swarm samples, in order."""
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+    for _ in range(swarm_refreshes):
+        pilot.app.refresh_swarm()
+        await pilot.app.workers.wait_for_complete()
+        await pilot.pause()
+    for _ in range(local_refreshes):
+        pilot.app.refresh_local()
+    await pilot.pause()
+
+
+def row_names(table: PeersTable) -> list[str]:
+    return [table.get_row(row.key)[1].plain for row in table.ordered_rows]
+
+
+@pytest.mark.anyio
+async def test_pause_key_pauses_and_resumes_local_training():
+    source = FakeSource()
+    app = quiet_dashboard(source)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        assert app.active_bindings["p"].binding.description == "Pause"
+        await pilot.press("p")
+        assert source.paused.is_set()
+        assert app.query_one("#local").has_class("-paused")
+        assert "paused" in app.query_one("#local").border_title
+        assert app.active_bindings["p"].binding.description == "Resume"
+        await pilot.press("p")
+        assert not source.paused.is_set()
+        assert not app.query_one("#local").has_class("-paused")
+
+
+@pytest.mark.parametrize("key", ["q", "ctrl+c"])
+@pytest.mark.anyio
+async def test_quit_asks_the_peer_to_checkpoint_and_leave(key):
+    source = FakeSource()
+    app = quiet_dashboard(source)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        await pilot.press(key)
+        await pilot.pause()
+        assert source.stop_requested
+    assert app.return_code == 0
+
+
+@pytest.mark.anyio
+async def test_dashboard_closes_when_training_ends_on_its_own():
+    source = FakeSource()
+    app = quiet_dashboard(source)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        source.done = True
+        app.refresh_local()
+        await pilot.pause()
+        assert not app.is_running
+    assert not source.stop_requested
+
+
+@pytest.mark.anyio
+async def test_peers_sort_by_tokens_per_s_then_by_key_and_header_click():
+    app = quiet_dashboard(FakeSource())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        table = app.query_one(PeersTable)
+        assert row_names(table) == ["lab-h200", "carol-a10…", "alice", "bob-laptop"]  # tokens/s, highest first
+        await pilot.press("s")  # next column: tokens contributed, highest first
+        assert table.sort_column == "tokens" and table.sort_reverse
+        assert row_names(table) == ["lab-h200", "alice", "bob-laptop", "carol-a10…"]
+        # Clicking a header sorts by it (loss: lowest first, peers without a loss last); again reverses.
+        loss_x = sum(c.get_render_width(table) for c in table.ordered_columns[: table.get_column_index("loss")])
+        await pilot.click(PeersTable, offset=(loss_x + 2, 1))
+        assert table.sort_column == "loss" and not table.sort_reverse
+        assert row_names(table) == ["lab-h200", "alice", "bob-laptop", "carol-a10…"]
+        assert str(table.ordered_columns[table.get_column_index("loss")].label) == "loss▲"
+        await pilot.click(PeersTable, offset=(loss_x + 2, 1))
+        assert row_names(table) == ["carol-a10…", "bob-laptop", "alice", "lab-h200"]
+        # The order survives the next refresh of the records.
+        app.post_message(PeersFetched(list(reversed(PEERS))))
+        await pilot.pause()
+        assert row_names(table) == ["carol-a10…", "bob-laptop", "alice", "lab-h200"]
+
+
+@pytest.mark.anyio
+async def test_this_peer_is_highlighted_and_rows_show_the_record_fields():
+    app = quiet_dashboard(FakeSource())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        table = app.query_one(PeersTable)
+        own, bob = table.get_row(SELF_ID), table.get_row(PEERS[2].peer_id)
+        assert own[0].style and own[0].style == own[-1].style
+        assert not bob[0].style
+        assert [cell.plain for cell in bob] == ["…Bob9q", "bob-laptop", "relay", "cpu fp32", "812", "3.1M", "2.902", "40", "47s"]
+        assert app.query_one("#peers").border_title == "peers · 4 online"
+
+
+@pytest.mark.anyio
+async def test_wide_terminal_shows_every_record_field():
+    app = quiet_dashboard(FakeSource())
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot)
+        table = app.query_one(PeersTable)
+        carol = [cell.plain for cell in table.get_row(PEERS[3].peer_id)]
+        assert carol == ["…aro7z", "carol-a100-spot", "direct", "A100-SXM4-8…", "bf16", "cpu", "33k", "0", "-",
+                         "0", "0", "3GB", "2.9GB", "0.1.0", "now"]  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_help_screen_opens_and_closes():
+    app = quiet_dashboard(FakeSource())
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        assert "Help" in [b.binding.description for b in app.active_bindings.values() if b.binding.show]
+
+
+@pytest.mark.anyio
+async def test_watching_without_training_hides_local_panels_and_cannot_pause():
+    source = FakeSource(training=False)
+    app = quiet_dashboard(source)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        assert not app.query_one("#local").display and not app.query_one("#averaging").display
+        assert "p" not in app.active_bindings or not app.active_bindings["p"].enabled
+        await pilot.press("p")
+        assert not source.paused.is_set()
+        assert app.query_one(PeersTable).row_count == len(PEERS)
+
+
+class SlowSwarm(FakeSource):
+    """A DHT that answers only when the test lets it: the screen must stay live meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = threading.Event()
+
+    def fetch_peers(self) -> list[PeerRecord]:
+        assert self.answer.wait(timeout=10)
+        return super().fetch_peers()
+
+
+@pytest.mark.anyio
+async def test_a_slow_swarm_never_freezes_the_screen():
+    source = SlowSwarm()
+    app = quiet_dashboard(source)
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        assert app.query_one(PeersTable).row_count == 0
+        await pilot.press("p")  # handled while the fetch is still blocked in its worker thread
+        assert source.paused.is_set() and app.query_one("#local").has_class("-paused")
+        source.answer.set()
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.query_one(PeersTable).row_count == len(PEERS)
+
+
+class BrokenSwarm(FakeSource):
+    def fetch_peers(self) -> list[PeerRecord]:
+        raise TimeoutError("no DHT node answered")
+
+
+@pytest.mark.anyio
+async def test_a_failing_swarm_fetch_is_logged_and_the_dashboard_carries_on(caplog):
+    app = quiet_dashboard(BrokenSwarm())
+    async with app.run_test() as pilot:
+        await settle(pilot, local_refreshes=1)
+        assert app.is_running
+        assert "could not read peer records: no DHT node answered" in caplog.text
+        # the local peer still counts, with its live figures
+        assert "1 peers" in str(app.query_one("#summary").render())
+
+
+def test_logging_goes_to_the_pane_not_the_terminal_while_the_dashboard_runs():
+    root = logging.getLogger()
+    terminal = logging.StreamHandler(sys.stderr)
+    root.addHandler(terminal)
+    source = SwarmMetricsSourceLogs()
+    try:
+        with logging_into(source):
+            assert terminal not in root.handlers
+            logging.getLogger("tscale_p2p.test").warning("peer …Bob9q sent NaN")
+        assert terminal in root.handlers
+        assert source.handler not in root.handlers
+    finally:
+        root.removeHandler(terminal)
+    assert any(" WARN" in line and "peer …Bob9q sent NaN" in line for line in source.log_lines())
+
+
+class SwarmMetricsSourceLogs(FakeSource):
+    """A fake whose log lines come from `logging`, as a watch-only dashboard's do."""
+
+    def __init__(self) -> None:
+        super().__init__(training=False)
+        self.handler = LocalStatus().log_handler()
+
+    def log_handler(self) -> logging.Handler:
+        return self.handler
+
+    def log_lines(self):
+        return self.handler.status.snapshot().log_lines
+
+
+def snapshot_run_before(local_refreshes: int):
+    async def run_before(pilot) -> None:
+        await settle(pilot, local_refreshes, swarm_refreshes=12)
+
+    return run_before
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=["80x24", "160x48"])
+def test_snapshot_training_peer(snap_compare, size):
+    assert snap_compare(quiet_dashboard(FakeSource()), terminal_size=size, run_before=snapshot_run_before(60))
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=["80x24", "160x48"])
+def test_snapshot_watching_only(snap_compare, size):
+    assert snap_compare(quiet_dashboard(FakeSource(training=False)), terminal_size=size, run_before=snapshot_run_before(0))
+
+
+def test_snapshot_paused_80x24(snap_compare):
+    async def run_before(pilot) -> None:
+        await settle(pilot, 30)
+        await pilot.press("p")
+
+    assert snap_compare(quiet_dashboard(FakeSource()), terminal_size=(80, 24), run_before=run_before)
