@@ -19,6 +19,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp8", "int8")
+OFFLOAD_MODES = ("none", "optimizer")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "wsd")
 
@@ -39,6 +40,10 @@ class TrainConfig:
     precision: str = field(default="auto", metadata={"help": "matmul precision: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp8, int8"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     compile: bool = field(default=True, metadata={"help": "torch.compile the model on CUDA"})
+    offload: str = field(default="none", metadata={"help": "none, or optimizer: fp32 master weights and AdamW state in host RAM, the CPU runs the optimizer, the GPU keeps only working (bf16) weights"})
+    offload_delay: int = field(default=0, metadata={"help": "with --offload: apply each update this many steps late (0 or 1; 1 as in TScale hides the CPU optimizer behind a whole step)"})
+    activation_checkpointing: bool = field(default=False, metadata={"help": "recompute each block in backward instead of keeping its activations"})
+    gpu_memory_limit: float | None = field(default=None, metadata={"help": "cap this process's GPU memory at this many GiB, like a smaller card"})
     steps: int = field(default=2000, metadata={"help": "optimizer steps to train for"})
     batch_size: int = field(default=16, metadata={"help": "sequences per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
@@ -67,6 +72,11 @@ class TrainConfig:
         _choice("precision", self.precision, PRECISIONS)
         _choice("device", self.device, DEVICES)
         _choice("schedule", self.schedule, LR_SCHEDULES)
+        _choice("offload", self.offload, OFFLOAD_MODES)
+        if self.offload_delay not in (0, 1):
+            raise UserError(f"offload-delay must be 0 or 1, got {self.offload_delay}")
+        if self.gpu_memory_limit is not None and not self.gpu_memory_limit > 0:
+            raise UserError(f"gpu-memory-limit must be a positive number of GiB, got {self.gpu_memory_limit}")
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

@@ -19,6 +19,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tscale_p2p.errors import UserError
 
@@ -277,11 +278,16 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model: `model(idx) -> logits` for token ids of shape [B, T]."""
+    """Decoder-only language model: `model(idx) -> logits` for token ids of shape [B, T].
+
+    With `activation_checkpointing` set, training keeps only each block's input and recomputes the block
+    in backward (about a third more compute for a fraction of the activation memory).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.activation_checkpointing = False
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.width)
         self.rotary = Rotary(cfg.head_dim, cfg.context, cfg.rope_base)
         self.blocks = nn.ModuleList(Block(cfg, window) for window in cfg.layer_windows())
@@ -307,5 +313,13 @@ class Transformer(nn.Module):
         x = self.dropout(self.tok_emb(idx))
         masks = block_masks_for(self.cfg.layer_windows(), idx.shape[1], idx.device)
         for block in self.blocks:
-            x = block(x, self.rotary, masks)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, self.rotary, masks, use_reentrant=False)
+            else:
+                x = block(x, self.rotary, masks)
         return self.lm_head(self.norm(x))
+
+    def execution_units(self) -> list[list[nn.Module]]:
+        """The modules that hold parameters, grouped in the order the forward uses them; the first module of
+        each group runs first (CPU offload moves weights unit by unit)."""
+        return [[self.tok_emb], *([block] for block in self.blocks), [self.norm, self.lm_head]]

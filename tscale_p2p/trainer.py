@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from tscale_p2p.checkpoint import Checkpoint, capture_rng_state, restore_rng_state, save_checkpoint
 from tscale_p2p.config import TrainConfig
+from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,24 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
+def limit_gpu_memory(gib: float | None, device: torch.device) -> None:
+    """`--gpu-memory-limit`: let this process allocate at most `gib` GiB on `device`, like a smaller card."""
+    if gib is None:
+        return
+    if device.type != "cuda":
+        log.warning("--gpu-memory-limit applies to CUDA devices only; ignored on %s", device)
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gib * 2**30 > total:
+        raise UserError(f"--gpu-memory-limit {gib:g} GiB is more than the {total / 2**30:.1f} GiB of this GPU")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
+
+
+def is_matrix(name: str, param: torch.Tensor) -> bool:
+    """A weight matrix of a linear layer (weight-decayed; bf16 on the device under offload)."""
+    return param.dim() >= 2 and "emb" not in name
+
+
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
@@ -86,31 +105,68 @@ class Trainer:
         self.context = cfg.context or model_cfg.context
         corpus.check_context(self.context)
         self.precision = resolve_precision(cfg.precision, device)
+        limit_gpu_memory(cfg.gpu_memory_limit, device)
+        self.offloaded = cfg.offload != "none"
+        if self.offloaded:
+            self._check_host_memory()
         torch.manual_seed(cfg.seed)
-        self.model = Transformer(model_cfg).to(device)
+        self.model = Transformer(model_cfg)
+        self.model.activation_checkpointing = cfg.activation_checkpointing
+        if not self.offloaded:  # offload adopts the fp32 host weights as masters and places working copies
+            self.model.to(device)
         if self.precision in ("fp8", "int8"):
             from tscale_p2p.kernels import convert_linears
 
             convert_linears(self.model, self.precision)
-        compiled = device.type == "cuda" and cfg.compile
-        self.forward = torch.compile(self.model) if compiled else self.model
         self.optimizer = self._make_optimizer()
+        self.model.to(device)  # buffers (the offloaded parameters are already there)
+        self.forward = self._compiled() if device.type == "cuda" and cfg.compile else self.model
         self.train_batches = corpus.batches("train", cfg.batch_size, self.context, seed=cfg.seed, device=device)
         self.step = 0
         self.tokens_seen = 0
         self.flops_per_token = model_cfg.flops_per_token(self.context)
         self.peak_flops = peak_flops(device)
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        matrices = [p for n, p in self.model.named_parameters() if p.dim() >= 2 and "emb" not in n]
-        others = [p for n, p in self.model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
+    def _make_optimizer(self):
+        """Fused AdamW (on the CPU too: faster than its for-loop default), or its offloaded twin."""
+        matrices = [p for n, p in self.model.named_parameters() if is_matrix(n, p)]
+        others = [p for n, p in self.model.named_parameters() if not is_matrix(n, p)]
         groups = [
             {"params": matrices, "weight_decay": self.cfg.weight_decay},
             {"params": others, "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(
-            groups, lr=self.cfg.lr, betas=(0.9, self.cfg.beta2), fused=self.device.type == "cuda"
-        )
+        betas = (0.9, self.cfg.beta2)
+        if self.offloaded:
+            from tscale_p2p.offload import OffloadedAdamW
+
+            return OffloadedAdamW(
+                self.model, self.model.execution_units(), groups, self.device, self._working_dtype,
+                lr=self.cfg.lr, betas=betas, grad_clip=self.cfg.grad_clip, delay=self.cfg.offload_delay,
+            )
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=betas, fused=True)
+
+    def _working_dtype(self, name: str, param: torch.Tensor) -> torch.dtype:
+        """Offload: matrices that autocast would cast to bf16 anyway live in bf16 on the device; embeddings and
+        norms (tiny) stay fp32, so the activations are those of an ordinary run."""
+        low = self.device.type == "cuda" and self.precision != "fp32"
+        return torch.bfloat16 if low and is_matrix(name, param) else torch.float32
+
+    def _check_host_memory(self) -> None:
+        from tscale_p2p.offload import check_host_memory
+
+        with torch.device("meta"):  # shapes only, nothing allocated
+            shapes = Transformer(self.model_cfg)
+        sizes = [(p.numel(), self._working_dtype(n, p)) for n, p in shapes.named_parameters()]
+        check_host_memory(sizes, self.cfg.offload_delay, self.cfg.offload)
+
+    def _compiled(self):
+        """torch.compile the whole model, or under offload each block's forward: the offload's per-unit hooks
+        then run eagerly around compiled blocks instead of breaking one big graph."""
+        if not self.offloaded:
+            return torch.compile(self.model)
+        for block in self.model.blocks:
+            block.forward = torch.compile(block.forward)
+        return self.model
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay or WSD (constant, then a linear cool-down) to min_lr_ratio."""
@@ -148,7 +204,7 @@ class Trainer:
             loss = self._loss(x, y) / self.cfg.grad_accum
             loss.backward()
             total += loss.detach()
-        if self.cfg.grad_clip > 0:
+        if self.cfg.grad_clip > 0 and not self.offloaded:  # the offloaded optimizer clips on the host
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -177,7 +233,8 @@ class Trainer:
     @torch.no_grad()
     def snapshot(self) -> dict[str, torch.Tensor]:
         """An fp32 CPU copy of the weights (the swarm keeps one at each round's start)."""
-        return {name: p.detach().float().cpu().clone() for name, p in self.model.named_parameters()}
+        weights = self.optimizer.master_weights() if self.offloaded else dict(self.model.named_parameters())
+        return {name: p.detach().float().cpu().clone() for name, p in weights.items()}
 
     @torch.no_grad()
     def apply_outer_update(self, weights: dict[str, torch.Tensor]) -> None:
@@ -186,6 +243,9 @@ class Trainer:
         missing = set(params) - set(weights)
         if missing:
             raise ValueError(f"outer update lacks {sorted(missing)[:3]}")
+        if self.offloaded:
+            self.optimizer.load_weights(weights)
+            return
         for name, p in params.items():
             p.copy_(weights[name].to(device=p.device, dtype=p.dtype))
 
@@ -194,7 +254,7 @@ class Trainer:
         return save_checkpoint(
             out_dir,
             step=self.step,
-            model_state=self.model.state_dict(),
+            model_state=self._model_state(),
             model_config=self.model_cfg.to_dict(),
             optimizer_state=self.optimizer.state_dict(),
             rng_state=capture_rng_state(),
@@ -202,9 +262,16 @@ class Trainer:
             keep=self.cfg.keep,
         )
 
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The weights to save: under offload the fp32 masters, not the device's working copies."""
+        state = self.model.state_dict()
+        return {**state, **self.optimizer.master_weights()} if self.offloaded else state
+
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue from `checkpoint`: weights, optimizer, RNG and data position."""
         checkpoint.restore(self.model, self.optimizer)
+        if self.offloaded:
+            self.optimizer.load_weights(checkpoint.model_state)
         restore_rng_state(checkpoint.rng_state)
         self.step = checkpoint.step
         self.tokens_seen = int(checkpoint.meta["tokens_seen"])
