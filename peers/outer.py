@@ -1,0 +1,91 @@
+"""The outer step of DiLoCo-style rounds, and its one-round-late (asynchronous) form.
+
+Every H inner steps a peer forms its pseudo-gradient (weights at round start minus weights now) and the
+swarm averages it. The outer optimizer turns the average into a step on the *global* weights: Nesterov
+momentum SGD (DiLoCo: lr 0.7, momentum 0.9). Its input is the same on every peer of a round, so every peer
+holds the same global weights without ever sending them.
+
+Asynchronous rounds (`DelayedOuterStep`): averaging round k runs in the background while round k+1 trains,
+so its result arrives one round late. At the end of round k+1 the peer applies the outer step with the
+average of round k and then re-adds the progress it made locally during round k+1:
+
+    weights = global_weights_after_step - pseudo_gradient_of_round_k+1
+
+so no local work is thrown away, and a peer's weights are always the swarm's global weights plus its own
+latest (not yet averaged) round. Weights are dicts of fp32 CPU tensors, as `Trainer.snapshot()` gives them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Mapping, Optional
+
+import torch
+
+Weights = dict[str, torch.Tensor]
+
+
+class OuterOptimizer:
+    """Nesterov-momentum SGD on averaged pseudo-gradients, applied to the global weights it holds.
+
+    Uses `torch.optim.SGD(nesterov=True)`: momentum <- mu * momentum + g; weights -= lr * (g + mu * momentum).
+    """
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], lr: float = 0.7, momentum: float = 0.9):
+        self.weights: Weights = {name: w.detach().float().cpu().clone() for name, w in weights.items()}
+        # (momentum 0 is plain SGD; torch refuses nesterov=True without momentum)
+        self._optimizer = torch.optim.SGD(
+            list(self.weights.values()), lr=lr, momentum=momentum, nesterov=momentum > 0
+        )
+
+    @torch.no_grad()
+    def step(self, pseudo_gradient: Mapping[str, torch.Tensor]) -> Weights:
+        """Apply one outer step with the averaged pseudo-gradient; return the new global weights (not copies)."""
+        if set(pseudo_gradient) != set(self.weights):
+            missing, extra = set(self.weights) - set(pseudo_gradient), set(pseudo_gradient) - set(self.weights)
+            raise ValueError(f"pseudo-gradient names differ: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}")
+        for name, weight in self.weights.items():
+            weight.grad = pseudo_gradient[name].detach().to(weight.dtype).cpu()
+        self._optimizer.step()
+        for weight in self.weights.values():
+            weight.grad = None
+        return self.weights
+
+    def state_dict(self) -> dict:
+        """A copy of the global weights and momentum: what a joining peer downloads to continue the run."""
+        return copy.deepcopy(dict(weights=self.weights, optimizer=self._optimizer.state_dict()))
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["weights"]) != set(self.weights):
+            raise ValueError("outer state is for a different set of weights")
+        for name, weight in self.weights.items():
+            weight.copy_(state["weights"][name])
+        self._optimizer.load_state_dict(state["optimizer"])
+
+
+class DelayedOuterStep:
+    """Round bookkeeping for asynchronous averaging: the average of round k is applied at the end of k+1.
+
+    Per round, the swarm loop calls `finish_round(weights_now, averaged_previous)`, loads the returned weights
+    into the trainer, and starts averaging the returned pseudo-gradient in the background. See module docstring.
+    """
+
+    def __init__(self, outer: OuterOptimizer):
+        self.outer = outer
+        self.round_start: Weights = {name: w.clone() for name, w in outer.weights.items()}
+
+    @torch.no_grad()
+    def finish_round(
+        self, weights_now: Mapping[str, torch.Tensor], averaged_previous: Optional[Mapping[str, torch.Tensor]]
+    ) -> tuple[Weights, Weights]:
+        """End a round: returns (weights to continue from, this round's pseudo-gradient to average).
+
+        `averaged_previous` is the swarm's average of the previous round's pseudo-gradient (or this peer's own
+        one when it averaged with nobody); None when there was no previous round.
+        """
+        pseudo_gradient = {name: self.round_start[name] - weights_now[name].float().cpu() for name in self.round_start}
+        if averaged_previous is not None:
+            self.outer.step(averaged_previous)
+        self.round_start = {name: self.outer.weights[name] - pseudo_gradient[name] for name in pseudo_gradient}
+        return {name: w.clone() for name, w in self.round_start.items()}, pseudo_gradient

@@ -1,0 +1,73 @@
+"""The outer Nesterov step and the one-round-late bookkeeping of asynchronous rounds."""
+
+import pytest
+import torch
+
+from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
+
+
+def test_outer_step_is_nesterov_sgd():
+    w0, g1, g2 = torch.randn(5), torch.randn(5), torch.randn(5)
+    lr, mu = 0.7, 0.9
+    outer = OuterOptimizer({"w": w0}, lr=lr, momentum=mu)
+    outer.step({"w": g1})
+    w1 = w0 - lr * (g1 + mu * g1)
+    torch.testing.assert_close(outer.weights["w"], w1)
+    outer.step({"w": g2})
+    momentum = mu * g1 + g2
+    torch.testing.assert_close(outer.weights["w"], w1 - lr * (g2 + mu * momentum))
+
+
+def test_state_dict_lets_a_joiner_continue_identically():
+    weights = {"a": torch.randn(3, 4), "b": torch.randn(7)}
+    veteran = OuterOptimizer(weights)
+    veteran.step({name: torch.randn_like(w) for name, w in weights.items()})
+    joiner = OuterOptimizer({name: torch.zeros_like(w) for name, w in weights.items()})
+    joiner.load_state_dict(veteran.state_dict())
+    average = {name: torch.randn_like(w) for name, w in weights.items()}
+    veteran.step(average)
+    joiner.step(average)
+    for name in weights:
+        assert torch.equal(veteran.weights[name], joiner.weights[name])
+
+
+def test_mismatched_pseudo_gradients_are_refused():
+    outer = OuterOptimizer({"a": torch.zeros(2)})
+    with pytest.raises(ValueError):
+        outer.step({"b": torch.zeros(2)})
+    with pytest.raises(ValueError):
+        outer.load_state_dict(OuterOptimizer({"b": torch.zeros(2)}).state_dict())
+
+
+def test_one_peer_with_plain_outer_step_keeps_its_trajectory_exactly():
+    """lr 1 and no momentum make the outer step "take the average"; alone, the average is the peer's own
+    pseudo-gradient, so applying it a round late with the correction must change nothing at all."""
+    torch.manual_seed(0)
+    weights = {"w": torch.randn(10)}
+    rounds = DelayedOuterStep(OuterOptimizer(weights, lr=1.0, momentum=0.0))
+    trajectory, previous = weights["w"].clone(), None
+    for _ in range(5):
+        trajectory = trajectory - 0.1 * torch.randn(10)  # a round of local training
+        continue_from, pseudo_gradient = rounds.finish_round({"w": trajectory}, previous)
+        torch.testing.assert_close(continue_from["w"], trajectory)
+        previous = pseudo_gradient
+
+
+def test_peers_applying_averages_late_share_global_weights_and_converge():
+    """Two peers pull towards different targets; their global weights stay identical and settle at the mean."""
+    targets = [torch.tensor([1.0, -2.0]), torch.tensor([3.0, 0.0])]
+    start = {"w": torch.zeros(2)}
+    peers = [DelayedOuterStep(OuterOptimizer(start)) for _ in targets]
+    weights = [start["w"].clone() for _ in targets]
+    averaged = None
+    for _ in range(60):
+        pseudo_gradients = []
+        for i, (peer, target) in enumerate(zip(peers, targets)):
+            for _ in range(5):  # inner SGD steps on 0.5 * |w - target|^2
+                weights[i] = weights[i] - 0.1 * (weights[i] - target)
+            continue_from, pseudo_gradient = peer.finish_round({"w": weights[i]}, averaged)
+            weights[i] = continue_from["w"]
+            pseudo_gradients.append(pseudo_gradient["w"])
+        averaged = {"w": sum(pseudo_gradients) / len(pseudo_gradients)}
+    assert torch.equal(peers[0].outer.weights["w"], peers[1].outer.weights["w"])
+    torch.testing.assert_close(peers[0].outer.weights["w"], sum(targets) / 2, atol=0.05, rtol=0)
