@@ -264,6 +264,8 @@ class GenerationEngine(nn.Module):
             # No QuantizedLinear can exist unless its module was imported.
             linear = sys.modules.get("tscale_p2p.kernels.linear")
             quantized = linear is not None and any(isinstance(m, linear.QuantizedLinear) for m in model.modules())
+            for buffer in self.buffers():  # the graph writes into them: same address every replay, no copies
+                torch._dynamo.mark_static_address(buffer)
             self._step = torch.compile(
                 self._decode_and_sample, mode="reduce-overhead", fullgraph=not quantized, dynamic=False
             )
@@ -438,8 +440,6 @@ def load_model(
 ) -> tuple[Transformer, str]:
     """The model of a checkpoint directory (``step-*``) or of the newest valid checkpoint in a run directory,
     on `device` in `precision`, ready for inference. -> (model, a name for it: the run directory's name)."""
-    from tscale_p2p.kernels import convert_linears, resolve_precision
-
     path = Path(checkpoint)
     if not path.is_dir():
         raise UserError(f"checkpoint {path}: no such directory")
@@ -453,17 +453,28 @@ def load_model(
         cfg = ModelConfig.from_dict(loaded.model_config)
     except (TypeError, UserError) as error:
         raise UserError(f"checkpoint {path}: bad model config: {error}") from None
-    target = torch.device(_resolve_device(device))
     model = Transformer(cfg)
     loaded.restore(model)
+    model = prepare_for_inference(model, device, precision)
+    name = path.parent.name if path.name.startswith("step-") else path.name
+    log.info("loaded %s (%s, step %d)", path, cfg.dims, loaded.step)
+    return model, name
+
+
+def prepare_for_inference(model: Transformer, device: str = "auto", precision: str = "auto") -> Transformer:
+    """Move `model` to `device` with weights in `precision` (auto: bf16 on CUDA, fp32 on the CPU; fp8/int8 swap
+    in the quantized linears, or fall back to bf16 where the device lacks them). Rotary tables stay fp32."""
+    from tscale_p2p.kernels import convert_linears, resolve_precision
+
+    target = torch.device(_resolve_device(device))
     if precision == "auto":
         precision = "bf16" if target.type == "cuda" else "fp32"
     precision = resolve_precision(precision, target)
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    model = convert_linears(model.to(device=target, dtype=dtype), precision).eval()
-    name = path.parent.name if path.name.startswith("step-") else path.name
-    log.info("loaded %s (%s, step %d) on %s in %s", path, cfg.dims, loaded.step, target, precision)
-    return model, name
+    # bf16 weights rather than autocast: decoding reads every weight once per token, so bytes are speed.
+    model = model.to(device=target, dtype=torch.float32 if precision == "fp32" else torch.bfloat16)
+    model.rotary.float()  # angles of late positions need more than bf16's 8 bits of mantissa
+    log.info("model on %s in %s", target, precision)
+    return convert_linears(model, precision).eval()
 
 
 def _resolve_device(device: str) -> str:
