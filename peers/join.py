@@ -215,26 +215,25 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
     return 0
 
 
-def download_state(peer: SwarmPeer, should_stop) -> bool:
+def download_state(peer: SwarmPeer, should_stop, timeout_s: float = 60.0) -> bool:
     """Fetch the shared weights and outer momentum from a live peer, with a progress display."""
     numel = sum(t.numel() for t in peer.outer.theta)
     expected = 2 * 4 * numel  # fp32 weights + fp32 momentum
-    console = Console(stderr=True)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("downloading the swarm's state", total=expected, completed=0, start=False)
+    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
+        task = progress.add_task("downloading the swarm's state", total=expected, start=False)
         for attempt in range(1, STATE_DOWNLOAD_ATTEMPTS + 1):
-            if should_stop():
-                return False
-            future = peer.averager.load_state_from_peers(wait=False)
-            while not future.done():  # hivemind downloads in the averager's process; we can only wait
+            # hivemind downloads in the averager's process and reports nothing until it is done.
+            future = peer.averager.load_state_from_peers(wait=False, timeout=timeout_s)
+            deadline = time.monotonic() + timeout_s
+            while not future.done() and time.monotonic() < deadline and not should_stop():
                 time.sleep(0.1)
-            state = future.result()
+            state = future.result() if future.done() else None
             if state is not None and peer.adopt_state(*state):
                 progress.start_task(task)
                 progress.update(task, completed=expected, description=f"downloaded the state of round {peer.round}")
                 return True
-            if not peer.metrics.fetch():  # nobody is training yet: we start the run's history
+            if should_stop() or not peer.metrics.fetch():  # nobody is training yet: we start the run's history
                 break
             time.sleep(attempt)
         progress.update(task, description="no peer shared its state; starting from the run's initial weights")

@@ -23,6 +23,7 @@ simply continues alone.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -153,11 +154,10 @@ class SwarmPeer:
             tensors = [t.clone() for t in self.outer.theta] + [m.clone() for m in self.outer.momentum()]
         return metadata, tensors
 
-    def adopt_state(self, metadata: object, tensors: list[torch.Tensor], keep_local_weights: bool = False) -> bool:
+    def adopt_state(self, metadata: object, tensors: list[torch.Tensor]) -> bool:
         """Take a downloaded (or saved) state as our own; False (and a warning) if it does not fit this run.
 
-        The trainer's weights become the state's theta, or with `keep_local_weights` stay as they are and
-        count as local progress of the current round."""
+        The trainer's weights move with theta: they keep the local progress made since the round started."""
         count = len(self.names)
         if not isinstance(metadata, dict) or metadata.get("format") != self.STATE_FORMAT:
             log.warning("ignoring downloaded state: unknown format")
@@ -173,16 +173,25 @@ class SwarmPeer:
         if not all(bool(torch.isfinite(t).all()) for t in tensors):
             log.warning("ignoring downloaded state: it has non-finite values")
             return False
+        progress = self._local_progress()
         with self._state_lock:
             self.outer.load(tensors[:count], tensors[count:])
             self.round = int(metadata.get("round", 0))
             self.trainer.step = max(self.trainer.step, int(metadata.get("step", 0)))
-        if not keep_local_weights:
-            self.trainer.apply_outer_update(dict(zip(self.names, self.outer.theta)))
-        self.round_start = [t.clone() for t in self.outer.theta]
-        self._advertise_state()
+        self._move_to_theta(progress)
         self.status.update(round=self.round, step=self.trainer.step)
         return True
+
+    def _local_progress(self) -> list[torch.Tensor]:
+        """What the trainer has learned since the current round started (weights - round_start)."""
+        weights = self.trainer.snapshot()
+        return [weights[n] - start for start, n in zip(self.round_start, self.names)]
+
+    def _move_to_theta(self, progress: list[torch.Tensor]) -> None:
+        """The one-round-late correction: weights <- theta + local progress; the round restarts from theta."""
+        self.trainer.apply_outer_update({n: t + p for n, t, p in zip(self.names, self.outer.theta, progress)})
+        self.round_start = [t.clone() for t in self.outer.theta]
+        self._advertise_state()
 
     def _advertise_state(self) -> None:
         # Joiners download from the peer with the highest priority: the one that has applied the most rounds.
@@ -220,7 +229,7 @@ class SwarmPeer:
             log.warning("ignoring %s: %s", path, error)
             return False
         metadata["step"] = self.trainer.step  # the trainer's own checkpoint knows its step best
-        return self.adopt_state(metadata, tensors, keep_local_weights=True)
+        return self.adopt_state(metadata, tensors)
 
     # ---- the loop ----
 
@@ -301,15 +310,11 @@ class SwarmPeer:
         """Apply a finished round's average (or our own update if alone), keeping the local progress since."""
         self._in_flight = None
         average = outcome.averaged if outcome.averaged is not None else flight.pseudo_gradient
-        weights = self.trainer.snapshot()
-        progress = [weights[n] - start for start, n in zip(self.round_start, self.names)]
+        progress = self._local_progress()
         with self._state_lock:
             self.outer.step(average)
             self.round = flight.number
-        self._advertise_state()
-        corrected = {n: theta + delta for n, theta, delta in zip(self.names, self.outer.theta, progress)}
-        self.trainer.apply_outer_update(corrected)
-        self.round_start = [t.clone() for t in self.outer.theta]
+        self._move_to_theta(progress)
         self.bytes_sent += outcome.bytes_sent
         self.bytes_received += outcome.bytes_received
         if outcome.averaged is not None:
@@ -331,13 +336,21 @@ class SwarmPeer:
             log.info("round %d: averaged with nobody (%s); continuing alone", flight.number, outcome.error or "no peers")
         else:
             log.info(
-                "round %d: averaged with %d peer(s) in %.1f s, sent %.1f KiB, received %.1f KiB",
+                "round %d: averaged with %d peer(s) in %.1f s, sent %.1f KiB, received %.1f KiB, weights %s",
                 flight.number,
                 outcome.group_size - 1,
                 outcome.seconds,
                 outcome.bytes_sent / 1024,
                 outcome.bytes_received / 1024,
+                self.weights_fingerprint(),
             )
+
+    def weights_fingerprint(self) -> str:
+        """A short digest of the shared weights: peers that applied the same rounds print the same one."""
+        digest = hashlib.sha256()
+        for tensor in self.outer.theta:
+            digest.update(tensor.numpy().tobytes())
+        return digest.hexdigest()[:12]
 
     def _drain(self) -> None:
         """On the way out, wait for the round in flight (bounded by its timeouts) so its average is kept."""

@@ -1,0 +1,150 @@
+"""`tscale-peer join` / `peers` end to end: real peer processes, hivemind DHTs and p2pd daemons on 127.0.0.1.
+
+Each peer runs in its own session (process group), so "kill -9 a peer" kills it the way a machine dies:
+the trainer, its DHT and averager processes and its p2pd together. Every group is killed at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tscale_p2p.cli import main
+
+pytestmark = [pytest.mark.slow]
+
+MADDR = re.compile(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+")
+TINY = ["--model", "e32h2d2w64", "--batch-size", "4", "--device", "cpu", "--log-every", "5", "--save-every", "0"]
+FAST_ROUNDS = ["--inner-steps", "5", "--matchmaking-time", "2", "--averaging-timeout", "10"]
+LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+HIVEMIND_DHT = Path(sys.executable).with_name("hivemind-dht")
+
+
+class Process:
+    """A child process in its own session, its stdout+stderr in a file we can poll."""
+
+    def __init__(self, args: list[str], log: Path, cwd: Path) -> None:
+        self.log = log
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log, "wb") as sink:
+            self.popen = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                                          start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float, count: int = 1) -> list[re.Match]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = list(re.finditer(pattern, self.output()))
+            if len(found) >= count:
+                return found
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"{pattern!r} x{count} not seen in {self.log.name}:\n{self.output()[-3000:]}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.log.name} still running after {timeout} s:\n{self.output()[-3000:]}") from None
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.popen.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """spawn(name, *args) starts a process; all of them (and their children) are SIGKILLed at teardown."""
+    started: list[Process] = []
+
+    def start(name: str, *args: str) -> Process:
+        process = Process(list(args), tmp_path / f"{name}.log", tmp_path)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.signal_group(signal.SIGKILL)
+        process.popen.wait(10)
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    words = "the swarm trains one model together while every peer keeps its own data and pace ".split()
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.randint(len(words), (30000,), generator=generator).tolist()
+    path.write_text(" ".join(words[i] for i in picks))
+    return path
+
+
+def join_args(out: str, data: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tscale_p2p.cli", "join", "--out", out, "--data", str(data), *LOOPBACK, *extra]
+
+
+def bootstrap_with_hivemind_dht(spawn) -> str:
+    """hivemind's own `hivemind-dht` (not our code) as the swarm's first node; returns its multiaddr."""
+    dht = spawn("hivemind-dht", str(HIVEMIND_DHT), "--host_maddrs", "/ip4/127.0.0.1/tcp/0")
+    return dht.wait_for(MADDR.pattern, timeout=30)[0].group(0)
+
+
+def shared_weights(out: Path) -> list[torch.Tensor]:
+    """theta (the swarm's weights after the last outer step) from a peer's swarm-state file."""
+    with safe_open(out / "swarm-state.safetensors", framework="pt") as handle:
+        tensors = [handle.get_tensor(key) for key in sorted(handle.keys())]
+    return tensors[: len(tensors) // 2]
+
+
+def rounds(log: str) -> dict[int, tuple[int, str | None]]:
+    """round number -> (other peers averaged with, fingerprint of the shared weights after it), from a log."""
+    found = {}
+    for match in re.finditer(r"round (\d+): averaged with (?:nobody|(\d+) peer).*?(?:weights (\w+))?\n", log):
+        found[int(match.group(1))] = (int(match.group(2) or 0), match.group(3))
+    return found
+
+
+def stop_all(peers: list[Process], timeout: float = 60) -> None:
+    """SIGTERM (what Ctrl+C does) to every peer at once; each finishes its round, saves and exits 0."""
+    for peer in peers:
+        peer.popen.send_signal(signal.SIGTERM)
+    for peer in peers:
+        assert peer.wait(timeout) == 0, peer.output()[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tmp_path, text_file):
+    bootstrap = bootstrap_with_hivemind_dht(spawn)
+    names = ("a", "b", "c")
+    # A long matchmaking window lets the first round gather all three despite uneven start-up times.
+    peers = [
+        spawn(name, *join_args(name, text_file, "--initial-peers", bootstrap, "--run-id", "agree", "--name", name,
+                               *TINY, "--inner-steps", "5", "--matchmaking-time", "5", "--averaging-timeout", "20"))
+        for name in names
+    ]
+    for peer in peers:
+        peer.wait_for(r"round 2: averaged with 2 peer", timeout=100)
+    stop_all(peers)
+    histories = [rounds(peer.output()) for peer in peers]
+    assert all(histories[0][r][0] == 2 for r in (1, 2)), histories
+    # The same averages applied in the same order: the shared weights are bit for bit the same.
+    assert histories[1] == histories[0] and histories[2] == histories[0], histories
+    thetas = [shared_weights(tmp_path / name) for name in names]
+    for theta in thetas[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(thetas[0], theta))
+    for peer in peers:
+        assert "Traceback" not in peer.output()
