@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -217,6 +218,15 @@ def test_infer_cli_streams_the_text_and_reports_speed(run_dir, capsys):
     expected = bytes(greedy_by_recomputation(model, list(b"Hello"), 12)).decode("utf-8", errors="replace")
     assert out == expected
     assert "12 tokens" in err and "tokens/s" in err
+
+
+def test_infer_cli_reads_the_prompt_from_a_pipe(run_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello"))
+    argv = ["infer", "--checkpoint", str(run_dir), "--max-tokens", "12", "--temperature", "0", "--device", "cpu"]
+    assert cli.main(argv) == 0
+    model, _ = load_model(run_dir, device="cpu")
+    expected = bytes(greedy_by_recomputation(model, list(b"Hello"), 12)).decode("utf-8", errors="replace")
+    assert capsys.readouterr().out == expected
 
 
 @pytest.mark.parametrize(

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
 
+from tscale_p2p import cli
+from tscale_p2p.checkpoint import save_checkpoint
 from tscale_p2p.generate import GenerationEngine
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.serve import CompletionServer
@@ -174,3 +180,35 @@ def test_a_client_that_leaves_mid_stream_is_cancelled(server):
     assert server.service.decode_steps - steps_before < 100  # finishing would have taken 125 steps
     status, result = post(server, {"prompt": "next", "max_tokens": 3})
     assert status == 200 and result["choices"][0]["finish_reason"] == "length"
+
+
+def test_serve_cli_serves_a_checkpoint_until_interrupted(model, tmp_path):
+    save_checkpoint(tmp_path / "myrun", step=1, model_state=model.state_dict(), model_config=model.cfg.to_dict())
+    command = [sys.executable, "-m", "tscale_p2p.cli", "serve", "--checkpoint", str(tmp_path / "myrun"),
+               "--port", "0", "--device", "cpu", "--max-batch", "2"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not (match := re.search(r"serving 'myrun' at http://127\.0\.0\.1:(\d+)/v1", lines[-1] if lines else "")):
+            lines.append(process.stderr.readline())
+            assert lines[-1], f"serve exited: {lines}"
+        connection = http.client.HTTPConnection("127.0.0.1", int(match.group(1)), timeout=30)
+        connection.request("POST", "/v1/completions", body=json.dumps({"model": "myrun", "prompt": "hi"}))
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 16
+        connection.close()
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+
+
+def test_serve_cli_refuses_a_busy_port(model, tmp_path, server, capsys):
+    save_checkpoint(tmp_path / "run", step=1, model_state=model.state_dict(), model_config=model.cfg.to_dict())
+    port = server.server_address[1]
+    argv = ["serve", "--checkpoint", str(tmp_path / "run"), "--port", str(port), "--device", "cpu"]
+    assert cli.main(argv) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
