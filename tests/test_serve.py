@@ -106,6 +106,15 @@ def test_stop_strings_and_several_choices(server):
     assert cut["choices"][0]["finish_reason"] == "stop"
 
 
+def test_echo_puts_the_prompt_in_front(server):
+    body = {"prompt": "Echo me", "max_tokens": 5, "temperature": 0}
+    _, plain = post(server, body)
+    _, echoed = post(server, {**body, "echo": True})
+    assert echoed["choices"][0]["text"] == "Echo me" + plain["choices"][0]["text"]
+    _, payload = request(server, "POST", "/v1/completions", {**body, "echo": True, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in events(payload)) == echoed["choices"][0]["text"]
+
+
 def test_requests_arriving_together_share_decode_steps(server):
     bodies = [{"prompt": f"request {i}", "max_tokens": 60, "temperature": 0} for i in range(3)]
     results = [None] * 3

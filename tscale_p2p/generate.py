@@ -257,7 +257,6 @@ class GenerationEngine(nn.Module):
         self.slots: list[GenerationSequence | None] = [None] * slots
         if compile is None:
             compile = device.type == "cuda"
-        self.compiled = compile
         self._step = self._decode_and_sample
         if compile:
             # Quantized linears are opaque to torch.compile (see kernels.linear), so those graphs have breaks.
