@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import sys
 import threading
+import time
 from dataclasses import replace
 
 import pytest
 
+from test_swarm import MADDR, TINY, join_args, spawn, text_file  # noqa: F401 - spawn, text_file: fixtures
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.peers.join import JoinOptions, join
 from tscale_p2p.peers.metrics import PeerRecord
+from tscale_p2p.peers.network import NetworkOptions
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus, StatusSnapshot
 from tscale_p2p.tui.app import Dashboard, PeersFetched, logging_into
 from tscale_p2p.tui.help import HelpScreen
+from tscale_p2p.tui.log_pane import LogPane
 from tscale_p2p.tui.peers_table import PeersTable
-from tscale_p2p.tui.source import MetricsSource
+from tscale_p2p.tui.source import MetricsSource, SwarmMetricsSource
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -346,3 +353,57 @@ def test_snapshot_paused_80x24(snap_compare):
         await pilot.press("p")
 
     assert snap_compare(quiet_dashboard(FakeSource()), terminal_size=(80, 24), run_before=run_before)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_live_two_peer_swarm_appears_in_the_table_and_q_stops_this_peer(spawn, tmp_path, text_file):
+    """Peer "alpha" trains in this process through `join` with a `LocalStatus`; a child process joins as
+    "beta". The real dashboard (headless, in a thread: hivemind starts its averager only from the main
+    thread) finds both through its own DHT node; then `q` makes alpha save a checkpoint and leave."""
+    status = LocalStatus()
+    cfg = TrainConfig(data=str(text_file), model="e32h2d2w64", batch_size=4, device="cpu", log_every=5,
+                      save_every=0, out=str(tmp_path / "alpha"))  # fmt: skip
+    network = NetworkOptions(host_maddrs=("/ip4/127.0.0.1/tcp/0",), identity_path=str(tmp_path / "alpha.key"))
+    options = JoinOptions(network, run_id="live", name="alpha", inner_steps=5, matchmaking_time=2, averaging_timeout=10)
+    source = SwarmMetricsSource("live", local_status=status)
+    seen: dict[str, object] = {}
+
+    async def watch() -> None:
+        deadline = time.monotonic() + 60
+        while not status.snapshot().visible_maddrs and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        (alpha_maddr,) = [m for m in status.snapshot().visible_maddrs if MADDR.fullmatch(m)]
+        spawn("beta", *join_args("beta", text_file, "--initial-peers", alpha_maddr, "--run-id", "live",
+                                 "--name", "beta", *TINY))  # fmt: skip
+        app = Dashboard(source, local_interval_s=0.5, swarm_interval_s=1.0)
+        async with app.run_test(size=(120, 30)) as pilot:
+            table = app.query_one(PeersTable)
+            deadline = time.monotonic() + 90
+            while sorted(row_names(table)) != ["alpha", "beta"] and time.monotonic() < deadline:
+                await pilot.pause(0.5)
+            seen["names"] = sorted(row_names(table))
+            seen["own row style"] = table.get_row(status.snapshot().peer_id)[0].style
+            seen["summary"] = str(app.query_one("#summary").render())
+            seen["log"] = app.query_one(LogPane).lines
+            await pilot.press("q")
+
+    def dashboard_thread() -> None:
+        try:
+            asyncio.run(watch())
+        finally:
+            status.stop_requested.set()  # whatever happened, let alpha leave
+
+    watcher = threading.Thread(target=dashboard_thread)
+    watcher.start()
+    try:
+        code = join(cfg, {}, options, status)
+    finally:
+        status.stop_requested.set()
+        watcher.join(timeout=120)
+        source.close()
+    assert seen.get("names") == ["alpha", "beta"], seen
+    assert seen["own row style"]  # alpha's own row is highlighted
+    assert "e32h2d2w64" in seen["summary"] and "2 peers" in seen["summary"]
+    assert code == 0
+    assert list((tmp_path / "alpha").glob("*.safetensors")), "alpha saved no checkpoint after q"

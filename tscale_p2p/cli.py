@@ -86,9 +86,11 @@ def build_parser() -> ArgumentParser:
     train.set_defaults(handler=run_train)
 
     from tscale_p2p.peers.cli import add_join_parser, add_peers_parser  # here: peers.cli imports this module
+    from tscale_p2p.tui.command import add_dashboard_parser
 
     add_join_parser(commands)
     add_peers_parser(commands)
+    add_dashboard_parser(commands)
     add_infer_parser(commands)
     add_serve_parser(commands)
     return parser

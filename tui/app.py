@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from collections.abc import Iterator
 
-from textual import work
+from textual import events, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
@@ -15,17 +16,19 @@ from textual.message import Message
 from textual.widgets import Footer
 
 from tscale_p2p.peers.metrics import PeerRecord
-from tscale_p2p.peers.status import StatusSnapshot
+from tscale_p2p.peers.status import LocalStatus, StatusSnapshot
 from tscale_p2p.tui.averaging_log import AveragingLog
 from tscale_p2p.tui.charts import Chart, ChartsPanel
 from tscale_p2p.tui.help import HelpScreen
 from tscale_p2p.tui.local_panel import LocalPanel
 from tscale_p2p.tui.log_pane import LogPane
 from tscale_p2p.tui.peers_table import PeersTable
-from tscale_p2p.tui.source import MetricsSource
+from tscale_p2p.tui.source import MetricsSource, SwarmMetricsSource
 from tscale_p2p.tui.summary import SwarmSummary, SwarmTotals
 
 log = logging.getLogger(__name__)
+# What other code prints while the dashboard owns the terminal (a founder's join line, say) is logged here.
+printed = logging.getLogger("stdout")
 
 
 class PeersFetched(Message):
@@ -79,10 +82,16 @@ class Dashboard(App[None]):
         for widget_id, title in (("charts", "charts"), ("averaging", "averaging"), ("log", "log")):
             self.query_one(f"#{widget_id}").border_title = title
         self.query_one(PeersTable).focus()
+        self.begin_capture_print(self)
         self.refresh_local()
         self.refresh_swarm()
         self.set_interval(self.local_interval_s, self.refresh_local)
         self.set_interval(self.swarm_interval_s, self.refresh_swarm)
+
+    def on_print(self, event: events.Print) -> None:
+        for line in event.text.splitlines():
+            if line.strip():
+                printed.info(line.rstrip())
 
     @property
     def watching_only(self) -> bool:
@@ -184,25 +193,55 @@ def logging_into(source: MetricsSource) -> Iterator[None]:
     for logger, handler in muted:
         logger.removeHandler(handler)
     pane_handler = source.log_handler()
+    # hivemind's own handler does not propagate to the root logger; while it is muted, let it.
+    propagate, hivemind_logger.propagate = hivemind_logger.propagate, True
     if pane_handler is not None:
         root.addHandler(pane_handler)
-        # hivemind's own handler does not propagate to the root logger; while muted, let it.
-        propagate, hivemind_logger.propagate = hivemind_logger.propagate, True
     try:
         yield
     finally:
         if pane_handler is not None:
             root.removeHandler(pane_handler)
-            hivemind_logger.propagate = propagate
+        hivemind_logger.propagate = propagate
         for logger, handler in muted:
             logger.addHandler(handler)
 
 
 def run_dashboard(source: MetricsSource) -> None:
-    """Show the dashboard in this (main) thread until `q` or until `source.finished()`.
+    """Show the dashboard in this (main) thread until `q`, or until `source.finished()`; then close the
+    source. Training, if any, runs in another thread and talks to the dashboard only through `source`."""
+    try:
+        with logging_into(source):
+            Dashboard(source).run()
+    finally:
+        source.close()
 
-    Training runs in another thread and talks to the dashboard only through `source` (pause and stop
-    requests go through `LocalStatus` events), so closing the screen never interrupts a step.
+
+def run_dashboard_while(train: Callable[[], int], status: LocalStatus, run_id: str, initial_peers: Sequence[str] = ()) -> int:
+    """Run `train` (e.g. a `join`) in a background thread with the dashboard in front; return its exit code.
+
+    `q` (or Ctrl+C) sets `status.stop_requested`: the training thread saves a checkpoint and leaves while
+    its closing log lines go to the terminal again. An exception in `train` is raised here.
     """
-    with logging_into(source):
-        Dashboard(source).run()
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            outcome["code"] = train()
+        except BaseException as error:  # handed to the main thread, which reports it
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="tscale-peer-training")
+    source = SwarmMetricsSource(run_id, initial_peers, local_status=status, is_training=thread.is_alive)
+    thread.start()
+    try:
+        run_dashboard(source)
+    finally:
+        try:
+            thread.join()
+        except KeyboardInterrupt:  # Ctrl+C after the dashboard closed: same as q
+            status.stop_requested.set()
+            thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["code"]

@@ -8,15 +8,20 @@ called in a worker thread, so neither side ever waits for the other.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from hivemind import DHT
-
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
+from tscale_p2p.peers.network import NetworkOptions, start_dht
+from tscale_p2p.peers.run_config import fetch_run_config
 from tscale_p2p.peers.status import LocalStatus, StatusSnapshot
+
+log = logging.getLogger(__name__)
+
+LOG_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
 
 class MetricsSource(ABC):
@@ -60,38 +65,77 @@ class MetricsSource(ABC):
         """A handler that feeds `log_lines()` from `logging`, for as long as the dashboard is shown."""
         return None
 
+    def close(self) -> None:
+        """Release network resources once the dashboard has closed."""
+
 
 class SwarmMetricsSource(MetricsSource):
-    """The real source: a running `hivemind.DHT` for the swarm, plus `LocalStatus` when this peer trains.
+    """The real source: the swarm seen through a client-mode DHT node of the dashboard's own, plus this
+    peer's `LocalStatus` when it trains.
 
-    Without a `LocalStatus` (``tscale-peer dashboard``) it only watches, and collects its own log lines.
+    The node is started by the first `fetch_peers()` (in the worker thread), from `initial_peers` and,
+    when training, this peer's own addresses once its DHT is up: the dashboard sees the swarm exactly as
+    ``tscale-peer dashboard`` on another machine would, and shares no state with the training thread.
+    Without a `LocalStatus` it only watches, and keeps its own log lines.
     """
 
     def __init__(
         self,
-        dht: DHT,
         run_id: str,
-        model: str = "",
+        initial_peers: Sequence[str] = (),
         local_status: LocalStatus | None = None,
         is_training: Callable[[], bool] | None = None,
+        connect_for_s: float = 30.0,
         log_history: int = 500,
     ) -> None:
-        """`is_training` (e.g. a training thread's ``is_alive``) tells when local training has ended."""
-        self.run_id, self.model = run_id, model
-        self.metrics = SwarmMetrics(dht, run_id)
+        """`is_training` (e.g. a training thread's ``is_alive``) tells when local training has ended;
+        `connect_for_s` bounds one attempt to reach the swarm (the next refresh tries again)."""
+        self.run_id, self.model = run_id, ""
+        self.initial_peers = tuple(initial_peers)
         self.local_status = local_status
         self._is_training = is_training
+        self._connect_for_s = connect_for_s
+        self._metrics: SwarmMetrics | None = None
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # close() may race the worker thread that starts the node
         self._own_log = _RecentLines(log_history)
 
     def local(self) -> StatusSnapshot | None:
         return None if self.local_status is None else self.local_status.snapshot()
 
     def fetch_peers(self) -> list[PeerRecord]:
-        return self.metrics.fetch()
+        metrics = self._metrics or self._connect()
+        if metrics is None or self._closed.is_set():
+            return []
+        if not self.model:
+            run = fetch_run_config(metrics.dht, self.run_id)
+            self.model = run.model_config.dims if run is not None else ""
+        return metrics.fetch()
+
+    def _connect(self) -> SwarmMetrics | None:
+        """Start the dashboard's DHT node; None while there is nobody to bootstrap from yet."""
+        own = self.local_status.snapshot().visible_maddrs if self.local_status is not None else ()
+        bootstrap = self.initial_peers + tuple(own)
+        if not bootstrap:
+            return None  # a founding peer whose own DHT is not up yet
+        options = NetworkOptions(
+            initial_peers=bootstrap,
+            host_maddrs=("/ip4/127.0.0.1/tcp/0",),  # dial-out only: nothing needs to reach a dashboard
+            client_mode=True,
+            retry_for_s=self._connect_for_s,
+        )
+        dht = start_dht(options, should_stop=self._closed.is_set)
+        with self._lock:
+            if dht is not None and self._closed.is_set():
+                dht.shutdown()
+                return None
+            if dht is not None:
+                self._metrics = SwarmMetrics(dht, self.run_id)
+            return self._metrics
 
     def log_lines(self) -> Sequence[str]:
         if self.local_status is not None:
-            return self.local().log_lines
+            return self.local_status.snapshot().log_lines
         with self._own_log.lock:  # the handler appends from other threads
             return tuple(self._own_log.lines)
 
@@ -107,7 +151,18 @@ class SwarmMetricsSource(MetricsSource):
         return self._is_training is not None and not self._is_training()
 
     def log_handler(self) -> logging.Handler:
-        return self._own_log if self.local_status is None else self.local_status.log_handler()
+        if self.local_status is None:
+            return self._own_log
+        handler = self.local_status.log_handler()
+        # `join` already copies the tscale_p2p loggers' records into LocalStatus: take only the others.
+        handler.addFilter(lambda record: not record.name.startswith("tscale_p2p"))
+        return handler
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed.set()
+            if self._metrics is not None:
+                self._metrics.dht.shutdown()
 
 
 class _RecentLines(logging.Handler):
@@ -116,7 +171,7 @@ class _RecentLines(logging.Handler):
     def __init__(self, history: int) -> None:
         super().__init__(logging.INFO)
         self.lines: deque[str] = deque(maxlen=history)
-        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+        self.setFormatter(LOG_FORMAT)
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(self.format(record))
