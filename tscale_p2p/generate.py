@@ -226,6 +226,19 @@ class RingKVCache(nn.Module):
         return (slots[None, :] <= positions[:, None])[:, None, None, :]
 
 
+@dataclass
+class _LaunchedStep:
+    """A decode step on its way: who held each row when it started, and where its tokens will land."""
+
+    rows: list[GenerationSequence | None]
+    tokens: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def ready(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
 class GenerationEngine(nn.Module):
     """A model plus a static KV cache of `slots` rows, stepping all live sequences together.
 
@@ -255,6 +268,12 @@ class GenerationEngine(nn.Module):
         self.register_buffer("top_p", torch.ones(slots, device=device), persistent=False)
         self.register_buffer("noise", torch.ones(slots, cfg.vocab_size, device=device), persistent=False)
         self.slots: list[GenerationSequence | None] = [None] * slots
+        # Host-side buffers of the pipelined step, two of each: one step is in flight while the last is read.
+        pinned = device.type == "cuda"
+        self._host_tokens = torch.zeros(2, slots, dtype=torch.long, pin_memory=pinned)
+        self._host_noise = torch.ones(2, slots, cfg.vocab_size, pin_memory=pinned)
+        self._launches = 0
+        self._in_flight: _LaunchedStep | None = None
         if compile is None:
             compile = device.type == "cuda"
         self._step = self._decode_and_sample
@@ -334,17 +353,43 @@ class GenerationEngine(nn.Module):
 
     @torch.no_grad()
     def step(self) -> dict[GenerationSequence, str]:
-        """One decode step for every slot; returns the text each live sequence made visible."""
+        """One decode step for every slot; returns the text each live sequence made visible.
+
+        Pipelined: the step launched last time is read while the device already runs the next one, so the
+        host's work (text, stop strings, the next launch) hides behind the device's. A sequence that ends
+        or starts in between simply ignores that one in-flight step's token for its row."""
         self._release_finished()  # cancelled since the last step
-        live = self.active
-        if not live:
+        if not self.active:
             return {}
-        if any(seq.params.temperature > 0 for seq in live):
-            self.noise.copy_(self._draw_noise(self.slots))
-        tokens = self._step().tolist()
-        deltas = {seq: seq.accept(tokens[row], self.cfg.context) for row, seq in enumerate(self.slots) if seq}
+        if self._in_flight is None:
+            self._in_flight = self._launch()
+        finished, self._in_flight = self._in_flight, self._launch()
+        finished.ready()
+        tokens = finished.tokens.tolist()
+        deltas = {
+            seq: seq.accept(tokens[row], self.cfg.context)
+            for row, seq in enumerate(finished.rows)
+            if seq is not None and seq is self.slots[row] and not seq.done
+        }
         self._release_finished()
         return deltas
+
+    def _launch(self) -> _LaunchedStep:
+        """Start one decode step (asynchronously on CUDA) and the copy of its tokens to the host."""
+        buffer = self._launches % 2
+        self._launches += 1
+        rows = list(self.slots)
+        if any(seq is not None and seq.params.temperature > 0 for seq in rows):
+            noise = self._host_noise[buffer]
+            self._draw_noise(rows, out=noise)
+            self.noise.copy_(noise, non_blocking=True)
+        host = self._host_tokens[buffer]
+        host.copy_(self._step(), non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return _LaunchedStep(rows, host, done)
 
     def cancel(self, seqs: SequenceOf[GenerationSequence] | None = None) -> None:
         """Stop `seqs` (default: every live sequence) and free their slots."""
@@ -355,8 +400,9 @@ class GenerationEngine(nn.Module):
     def _release_finished(self) -> None:
         self.slots = [None if seq is None or seq.done else seq for seq in self.slots]
 
-    def _draw_noise(self, seqs: SequenceOf[GenerationSequence | None]) -> torch.Tensor:
-        noise = torch.ones(len(seqs), self.cfg.vocab_size)
+    def _draw_noise(self, seqs: SequenceOf[GenerationSequence | None], out: torch.Tensor | None = None):
+        """Exp(1) draws [len(seqs), V] from each sampling sequence's own generator (ones for the rest)."""
+        noise = torch.ones(len(seqs), self.cfg.vocab_size) if out is None else out.fill_(1.0)
         for row, seq in enumerate(seqs):
             if seq is not None and seq.params.temperature > 0:
                 noise[row].exponential_(generator=seq.rng).clamp_(min=1e-20)
