@@ -248,6 +248,12 @@ def test_infer_cli_bad_input_is_one_line_and_exit_2(run_dir, capsys, flags, frag
     assert err.startswith("tscale-peer: error: ") and fragment in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("device", ["tpu", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda"]))
+def test_unusable_devices_are_refused(run_dir, device):
+    with pytest.raises(UserError, match="device"):
+        load_model(run_dir, device=device)
+
+
 def test_infer_cli_missing_checkpoint(tmp_path, capsys):
     assert cli.main(["infer", "--checkpoint", str(tmp_path / "none"), "--prompt", "hi"]) == 2
     assert "no such directory" in capsys.readouterr().err

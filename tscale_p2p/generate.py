@@ -7,7 +7,8 @@ prefilled into a free slot while the others keep decoding). Per layer the cache 
 windowed layer holds exactly its last `window` keys and a full layer its whole context.
 
 Every tensor the decode step touches has a fixed address and shape, which is what lets `torch.compile`
-(mode ``reduce-overhead``) capture the step, sampling included, as one CUDA graph.
+(mode ``reduce-overhead``) capture the step, sampling included, as one CUDA graph. Steps are pipelined: the
+device runs step t+1 while the host turns step t's tokens into text.
 
 Sampling draws its randomness from one CPU `torch.Generator` per sequence (exponential noise, Gumbel-max
 style), so a seed gives the same text whatever else shares the batch and whichever device runs it.
@@ -511,7 +512,7 @@ def prepare_for_inference(model: Transformer, device: str = "auto", precision: s
     in the quantized linears, or fall back to bf16 where the device lacks them). Rotary tables stay fp32."""
     from tscale_p2p.kernels import convert_linears, resolve_precision
 
-    target = torch.device(_resolve_device(device))
+    target = _resolve_device(device)
     if precision == "auto":
         precision = "bf16" if target.type == "cuda" else "fp32"
     precision = resolve_precision(precision, target)
@@ -522,11 +523,17 @@ def prepare_for_inference(model: Transformer, device: str = "auto", precision: s
     return convert_linears(model, precision).eval()
 
 
-def _resolve_device(device: str) -> str:
+def _resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        target = torch.device(device)
+    except RuntimeError:
+        target = None
+    if target is None or target.type not in ("cpu", "cuda"):
+        raise UserError(f"unknown device {device!r}; choose auto, cpu, cuda or cuda:N")
+    if target.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device!r}: CUDA is not available on this machine")
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise UserError(f"unknown device {device!r}; choose auto, cpu or cuda")
-    return device
+    if target.type == "cuda" and (target.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return target

@@ -7,8 +7,7 @@ import sys
 import time
 
 from tscale_p2p.errors import UserError
-
-_PRECISIONS = ("auto", "fp32", "bf16", "fp8", "int8")
+from tscale_p2p.kernels.precision import PRECISIONS
 
 
 def add_infer_parser(commands) -> None:
@@ -20,10 +19,13 @@ def add_infer_parser(commands) -> None:
     )
     _add_model_flags(infer)
     infer.add_argument("--prompt", help="text to continue (default: ask for it)")
-    infer.add_argument("--max-tokens", type=int, default=256, metavar="N", help="tokens to generate at most (default: 256)")
+    infer.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                       help="tokens to generate at most (default: 256)")
     infer.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default: 0.8)")
-    infer.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest; 0 = off (default)")
-    infer.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
+    infer.add_argument("--top-k", type=int, default=0, metavar="K",
+                       help="sample among the K likeliest; 0 = off (default)")
+    infer.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                       help="nucleus sampling mass in (0, 1] (default: 1)")
     infer.add_argument("--seed", type=int, help="makes sampling reproducible")
     infer.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)")
     infer.set_defaults(handler=run_infer)
@@ -44,8 +46,9 @@ def add_serve_parser(commands) -> None:
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a run directory (its newest checkpoint) or one step-* directory")
-    parser.add_argument("--precision", choices=_PRECISIONS, default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a run directory (its newest checkpoint) or one step-* directory")
+    parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--no-compile", dest="compile", action="store_false",
                         help="skip torch.compile / CUDA graphs (faster start, slower decoding)")

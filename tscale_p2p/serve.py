@@ -249,7 +249,8 @@ class _CompletionHandler(BaseHTTPRequestHandler):
         model = {"id": self.server.model_id, "object": "model", "created": self.server.created,
                  "owned_by": "tscale-p2p"}
         if path == "/health":
-            self._send_json(HTTPStatus.OK, {"status": "ok", "model": self.server.model_id, **self.server.service.status()})
+            status = {"status": "ok", "model": self.server.model_id, **self.server.service.status()}
+            self._send_json(HTTPStatus.OK, status)
         elif path == "/v1/models":
             self._send_json(HTTPStatus.OK, {"object": "list", "data": [model]})
         elif path == f"/v1/models/{self.server.model_id}":
