@@ -89,10 +89,18 @@ def join(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalSt
     """Run one swarm peer to completion; returns the exit code. `explicit` holds the settings the user gave
     (flag name -> value), which must agree with the run's; `status` is updated live for a dashboard."""
     status = status or LocalStatus()
-    logging.getLogger("tscale_p2p").addHandler(status.log_handler())
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
         # hivemind logs a traceback for every round that finds no group; our loop reports it in one line.
         logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
+    handler = status.log_handler()
+    logging.getLogger("tscale_p2p").addHandler(handler)
+    try:
+        return _join_until_stopped(cfg, explicit, options, status)
+    finally:
+        logging.getLogger("tscale_p2p").removeHandler(handler)
+
+
+def _join_until_stopped(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus) -> int:
     with GracefulStop() as stop:
         should_stop = lambda: stop.requested or status.stop_requested.is_set()  # noqa: E731
         dht = start_dht(options.network, should_stop)

@@ -93,8 +93,14 @@ def text_file(tmp_path) -> Path:
     return path
 
 
+def join_flags(out: str, data: Path, *extra: str) -> list[str]:
+    """`tscale-peer` arguments of a loopback-only `join`."""
+    return ["join", "--out", out, "--data", str(data), *LOOPBACK, *extra]
+
+
 def join_args(out: str, data: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "tscale_p2p.cli", "join", "--out", out, "--data", str(data), *LOOPBACK, *extra]
+    """The command line of a `tscale-peer join` process."""
+    return [sys.executable, "-m", "tscale_p2p.cli", *join_flags(out, data, *extra)]
 
 
 def bootstrap_with_hivemind_dht(spawn) -> str:
@@ -148,3 +154,75 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
         assert all(torch.equal(x, y) for x, y in zip(thetas[0], theta))
     for peer in peers:
         assert "Traceback" not in peer.output()
+
+
+@pytest.mark.timeout(200)
+def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_file, capsys):
+    """One swarm, in order: a founder prints how to join; a second peer joins; a late joiner downloads the
+    state and continues; `peers --json` lists all three; contradicting flags are refused; a peer killed
+    with SIGKILL mid-round does not stall the others beyond the averaging timeout."""
+    a = spawn("a", *join_args("a", text_file, "--run-id", "late", "--name", "a", *TINY, *FAST_ROUNDS))
+    founder = a.wait_for(r"tscale-peer join --initial-peers (\S+) --run-id late", timeout=60)[0].group(1)
+    assert MADDR.fullmatch(founder)
+    b = spawn("b", *join_args("b", text_file, "--initial-peers", founder, "--run-id", "late", "--name", "b"))
+    b.wait_for(r"round 2: averaged with 1 peer", timeout=60)
+
+    c = spawn("c", *join_args("c", text_file, "--initial-peers", founder, "--run-id", "late", "--name", "c"))
+    downloaded = int(c.wait_for(r"downloaded the state of round (\d+)", timeout=60)[0].group(1))
+    assert downloaded >= 2
+    c.wait_for(r"round \d+: averaged with 2 peer", timeout=60)
+    assert re.search(r"joined run 'late'.*model e32h2d2w64, 5 inner steps", c.output())  # adopted, no model flags
+
+    capsys.readouterr()
+    assert main(["peers", "--initial-peers", founder, "--run-id", "late", "--json"]) == 0
+    records = {record["name"]: record for record in json.loads(capsys.readouterr().out)}
+    assert set(records) == {"a", "b", "c"}
+    assert records["a"]["step"] > 0 and records["a"]["device"] == "cpu" and records["a"]["precision"] == "fp32"
+    assert records["b"]["round"] >= 2 and records["b"]["bytes_sent"] > 0 and records["b"]["last_averaging"]
+
+    for flags, named in ((["--model", "e64h2d2w64"], "--model e64h2d2w64 contradicts"),
+                         (["--inner-steps", "7"], "--inner-steps 7 contradicts")):
+        out = str(tmp_path / "refused")
+        assert main(join_flags(out, text_file, "--initial-peers", founder, "--run-id", "late", *flags)) == 2
+        assert named in capsys.readouterr().err
+
+    b.wait_for(r"averaging in the background", timeout=30, count=len(re.findall("in the background", b.output())) + 1)
+    b.signal_group(signal.SIGKILL)
+    killed_at = time.monotonic()
+    last_round = {survivor: max(rounds(survivor.output())) for survivor in (a, c)}
+    # The survivors keep completing rounds: none waits for the dead peer beyond the averaging timeout (10 s).
+    for survivor in (a, c):
+        survivor.wait_for(rf"round {last_round[survivor] + 2}: averaged", timeout=60)
+    assert time.monotonic() - killed_at < 45
+    stop_all([a, c])
+    after_kill = [others for number, (others, _) in rounds(a.output()).items() if number > last_round[a] + 1]
+    assert 1 in after_kill  # a and c still average together
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_initial_peer_is_retried_with_backoff_without_a_traceback(spawn, text_file):
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmX2jXBEjUG1a4Na2zp8icDAy92brp2EMDNKFt1eJp2gQS"
+    peer = spawn("lonely", *join_args("lonely", text_file, "--initial-peers", nobody, *TINY))
+    delays = [float(m.group(1)) for m in peer.wait_for(r"cannot reach the initial peers yet .*retrying in (\d+) s",
+                                                         timeout=40, count=2)]
+    assert delays[1] > delays[0]  # backoff
+    peer.popen.send_signal(signal.SIGTERM)
+    assert peer.wait(30) == 0
+    assert "Traceback" not in peer.output()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--initial-peers", "/ip4/1.2.3/tcp/5"], "is not a valid multiaddr"),
+        (["--initial-peers", "garbage"], "is not a valid multiaddr"),
+        (["--initial-peers", "/ip4/127.0.0.1/tcp/5"], "has no /p2p/<peer id> part"),
+        (["--host-maddrs", "/ip4/127.0.0.1/tcpx/0"], "is not a valid multiaddr"),
+        (["--run-id", "bad id!"], "invalid --run-id"),
+        (["--inner-steps", "0"], "--inner-steps must be at least 1"),
+    ],
+)
+def test_bad_swarm_flags_are_refused_in_one_line(flags, message, capsys):
+    assert main(["join", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("tscale-peer: error:")
