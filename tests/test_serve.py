@@ -221,3 +221,22 @@ def test_serve_cli_refuses_a_busy_port(model, tmp_path, server, capsys):
     argv = ["serve", "--checkpoint", str(tmp_path / "run"), "--port", str(port), "--device", "cpu"]
     assert cli.main(argv) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_an_engine_failure_fails_that_request_only(server, monkeypatch):
+    engine = server.service.engine
+    real_prefill = engine._prefill
+    calls = []
+
+    def failing_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (injected)")
+        return real_prefill(*args)
+
+    monkeypatch.setattr(engine, "_prefill", failing_once)
+    status, payload = post(server, {"prompt": "boom", "max_tokens": 4})
+    assert status == 500 and "out of memory (injected)" in payload["error"]["message"]
+    assert server.service.status()["active"] == 0
+    status, payload = post(server, {"prompt": "fine", "max_tokens": 4})
+    assert status == 200 and payload["usage"]["completion_tokens"] == 4
