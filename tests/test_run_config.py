@@ -1,0 +1,73 @@
+"""The run config a swarm shares: adoption by joiners, refusal of contradicting flags, tamper checks."""
+
+from dataclasses import replace
+
+import pytest
+
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.errors import UserError
+from tscale_p2p.model import ModelConfig
+from tscale_p2p.peers.run_config import RunConfig, check_run_id, load_saved_run_config, save_run_config
+
+
+def founder_config(**train) -> RunConfig:
+    cfg = TrainConfig(**{"lr": 1e-3, "steps": 500, **train})
+    return RunConfig.from_settings(cfg, ModelConfig.from_dims("e32h2d2w64"), "byte", 50, 0.7, 0.9)
+
+
+def test_a_joiner_adopts_the_runs_model_and_schedule_but_keeps_its_own_peer_settings():
+    run = founder_config()
+    mine = run.apply_to(TrainConfig(batch_size=3, data="here.txt", lr=9.0, steps=7))
+    assert (mine.model, mine.lr, mine.steps) == ("e32h2d2w64", 1e-3, 500)
+    assert (mine.batch_size, mine.data) == (3, "here.txt")
+
+
+@pytest.mark.parametrize(
+    "explicit, message",
+    [
+        ({"model": "e64h2d2w64"}, "--model e64h2d2w64 contradicts run 'r', which uses model e32h2d2w64"),
+        ({"lr": 0.01}, "--lr 0.01 contradicts run 'r', which uses lr 0.001"),
+        ({"inner_steps": 20}, "--inner-steps 20 contradicts run 'r', which uses inner-steps 50"),
+        ({"mlp": "swiglu"}, "--mlp swiglu contradicts"),
+    ],
+)
+def test_contradicting_flags_are_refused_naming_the_difference(explicit, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        founder_config().check_flags("r", explicit)
+
+
+def test_agreeing_and_per_peer_flags_pass():
+    founder_config().check_flags("r", {"model": "w64e32d2h2", "lr": 0.001, "batch_size": 99, "inner_steps": 50})
+
+
+def test_wire_round_trip_and_tampering():
+    run = founder_config()
+    assert RunConfig.from_wire(run.to_wire()) == run
+    tampered = run.to_wire()
+    tampered["config"]["inner_steps"] = 1
+    with pytest.raises(UserError, match="does not match its hash"):
+        RunConfig.from_wire(tampered)
+    broken = run.to_wire()
+    broken["config"]["inner_steps"] = "many"
+    with pytest.raises(UserError, match="malformed"):
+        RunConfig.from_wire(broken)
+    with pytest.raises(UserError, match="malformed"):
+        RunConfig.from_wire(["not", "a", "dict"])
+
+
+def test_hash_changes_with_any_shared_setting():
+    run = founder_config()
+    assert replace(run, outer_lr=0.5).hash != run.hash
+    assert founder_config(warmup=3).hash != run.hash
+
+
+def test_saved_run_config_round_trip(tmp_path):
+    assert load_saved_run_config(tmp_path) is None
+    save_run_config(tmp_path / "out", founder_config())
+    assert load_saved_run_config(tmp_path / "out") == founder_config()
+
+
+@pytest.mark.parametrize("run_id", ["", "-x", "a b", "x" * 65, "a/b"])
+def test_bad_run_ids(run_id):
+    with pytest.raises(UserError, match="invalid --run-id"):
+        check_run_id(run_id)
