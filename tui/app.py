@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -233,6 +234,9 @@ def run_dashboard_while(train: Callable[[], int], status: LocalStatus, run_id: s
 
     thread = threading.Thread(target=target, name="tscale-peer-training")
     source = SwarmMetricsSource(run_id, initial_peers, local_status=status, is_training=thread.is_alive)
+    # Signals reach only the main thread: SIGTERM asks the training thread to checkpoint and leave (the
+    # dashboard closes when it has), as `join`'s own handler does when it runs in the main thread.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: status.stop_requested.set())
     thread.start()
     try:
         run_dashboard(source)
@@ -242,6 +246,7 @@ def run_dashboard_while(train: Callable[[], int], status: LocalStatus, run_id: s
         except KeyboardInterrupt:  # Ctrl+C after the dashboard closed: same as q
             status.stop_requested.set()
             thread.join()
+        signal.signal(signal.SIGTERM, previous)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["code"]

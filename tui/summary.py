@@ -41,11 +41,12 @@ class SwarmSummary(Static):
     def show(self, run_id: str, model: str, totals: SwarmTotals) -> None:
         self.update(
             Content.from_markup(
-                "[b]$run[/] [dim]model[/] $model [dim]·[/] [b]$peers[/] peers [dim]·[/] [b]$speed[/] tok/s"
+                "[b]$run[/] [dim]model[/] $model [dim]·[/] [b]$peers[/] $noun [dim]·[/] [b]$speed[/] tok/s"
                 " [dim]·[/] round [b]$round[/] [dim]·[/] [b]$tokens[/] tokens",
                 run=run_id or "?",
                 model=model or "?",
                 peers=str(totals.peers),
+                noun="peer" if totals.peers == 1 else "peers",
                 speed=fmt.count(totals.tokens_per_s),
                 round=str(totals.round),
                 tokens=fmt.count(totals.tokens),
