@@ -297,7 +297,7 @@ async def test_a_failing_swarm_fetch_is_logged_and_the_dashboard_carries_on(capl
         assert app.is_running
         assert "could not read peer records: no DHT node answered" in caplog.text
         # the local peer still counts, with its live figures
-        assert "1 peers" in str(app.query_one("#summary").render())
+        assert "1 peer ·" in str(app.query_one("#summary").render())
 
 
 def test_logging_goes_to_the_pane_not_the_terminal_while_the_dashboard_runs():
