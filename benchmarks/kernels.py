@@ -94,35 +94,8 @@ def quantize_rows_table(tokens: int, width: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="768,2048,3072,8192")
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--impl", default="auto", choices=["auto", "tma", "pointer"])
-    p.add_argument("--json", help="also write every figure here")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
-    sizes = [int(s) for s in args.sizes.split(",")]
-    m = args.tokens
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-
-    # fwd (M, N, K) of layer (K -> N) is the dgrad problem of layer (N -> K): with K and N drawn from the same
-    # set, every dgrad shape is some layer's fwd shape, timed once and reported under both names.
-    problems = {}
-    for k in sizes:
-        for n in sizes:
-            problems.setdefault((m, n, k), None)
-            problems.setdefault((n, k, m), None)
-    for shape in problems:
-        problems[shape] = gemm_row(*shape, impl=args.impl)
-        r = problems[shape]
-        print(f"  {shape}: ours fp8 {r['ours_fp8']:.0f}  cuBLAS fp8 row {r['cublas_fp8_row']:.0f}  "
-              f"bf16 {r['cublas_bf16']:.0f} TFLOP/s", flush=True)
-
-    cols = ["ours_fp8", "ours_int8", "cublas_fp8_tensor", "cublas_fp8_row", "cublas_int8", "cublas_bf16"]
-    if args.impl == "auto":
-        cols.insert(2, "ours_fp8_tile128")
+def print_gemm_table(problems: dict, sizes: list[int], m: int, cols: list[str]) -> list[dict]:
+    """Print one row per (layer, matmul); return the rows."""
     print("\n## GEMM TFLOP/s (M = %d tokens)\n" % m)
     print("| layer K->N | matmul | M x N x K | " + " | ".join(cols) +
           " | ours fp8 / cuBLAS fp8 row | ours fp8 / bf16 | ours int8 / bf16 | fp8 rel err |")
@@ -137,7 +110,40 @@ def main() -> None:
                       " | ".join(f"{r[c]:.0f}" for c in cols) +
                       f" | {r['ours_fp8'] / r['cublas_fp8_row']:.2f} | {r['ours_fp8'] / r['cublas_bf16']:.2f}"
                       f" | {r['ours_int8'] / r['cublas_bf16']:.2f} | {r['ours_fp8_relerr']:.4f} |")
+    return table
 
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="768,2048,3072,8192")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--impl", default="auto", choices=["auto", "tma", "pointer"])
+    p.add_argument("--no-gemm", action="store_true", help="only the quantize table")
+    p.add_argument("--json", help="also write every figure here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    m = args.tokens
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+
+    # fwd (M, N, K) of layer (K -> N) is the dgrad problem of layer (N -> K): with K and N drawn from the same
+    # set, every dgrad shape is some layer's fwd shape, timed once and reported under both names.
+    problems = {}
+    for k in [] if args.no_gemm else sizes:
+        for n in sizes:
+            problems.setdefault((m, n, k), None)
+            problems.setdefault((n, k, m), None)
+    for shape in problems:
+        problems[shape] = gemm_row(*shape, impl=args.impl)
+        r = problems[shape]
+        print(f"  {shape}: ours fp8 {r['ours_fp8']:.0f}  cuBLAS fp8 row {r['cublas_fp8_row']:.0f}  "
+              f"bf16 {r['cublas_bf16']:.0f} TFLOP/s", flush=True)
+
+    cols = ["ours_fp8", "ours_int8", "cublas_fp8_tensor", "cublas_fp8_row", "cublas_int8", "cublas_bf16"]
+    if args.impl == "auto":
+        cols.insert(2, "ours_fp8_tile128")
+    table = [] if args.no_gemm else print_gemm_table(problems, sizes, m, cols)
     quant = quantize_rows_table(m, max(sizes))
     print(f"\n## Quantize, {m} x {max(sizes)} bf16 input\n")
     print("| kernel | GB/s | of copy bandwidth |\n| --- | --- | --- |")

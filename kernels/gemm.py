@@ -47,6 +47,8 @@ _TAGGED_CONFIGS = [
     _config(_HOPPER, 128, 128, 128, 4, 8),
     _config(_HOPPER, 128, 256, 64, 4, 8),
     _config(_HOPPER, 64, 256, 128, 4, 4),
+    _config(_HOPPER, 256, 128, 128, 3, 8),
+    _config(_HOPPER, 128, 128, 128, 5, 8),
     _config(_CONSUMER, 128, 128, 64, 3, 8),
     _config(_CONSUMER, 128, 64, 128, 3, 4),
     _config(_CONSUMER, 64, 128, 64, 4, 4),
@@ -62,11 +64,30 @@ def _device_class() -> str:
     return _HOPPER if torch.cuda.get_device_capability()[0] >= 9 else _CONSUMER
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_memory_limit() -> int:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return getattr(props, "shared_memory_per_block_optin", 232448 if props.major >= 9 else 101376)
+
+
 def _prune_configs(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
     kind = _device_class()
     kept = [c for c, k in _TAGGED_CONFIGS if k == kind and c in configs]
-    if {**named_args, **kwargs}.get("GROUP_K", 0):  # K blocks must not straddle a scale tile
+    if args.get("GROUP_K", 0):  # K blocks must not straddle a scale tile
         kept = [c for c in kept if TILE % c.kwargs["BLOCK_K"] == 0]
+    if kind != _INTERPRET:
+        # Operand stages (1-byte elements) plus the output tile staged for the TMA store; Triton's autotuner
+        # does not reliably skip a config whose shared memory exceeds the limit (fp32 outputs double the tile).
+        out = args["c_desc"].base if "c_desc" in args else args["c_ptr"]
+        limit = _shared_memory_limit() - 4096
+
+        def smem(c):
+            bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+            return c.num_stages * (bm + bn) * bk + bm * bn * out.element_size()
+
+        fitting = [c for c in kept if smem(c) <= limit]
+        kept = fitting or [min(kept, key=smem)]
     return kept
 
 

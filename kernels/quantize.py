@@ -50,68 +50,78 @@ TILE = 128  # the fine-grained scale group (DeepSeek-V3 style 1x128 tiles)
 @triton.jit
 def _scale_and_cast(x, scale, offsets, seed, QMAX: tl.constexpr, IS_INT: tl.constexpr,
                     MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr,
-                    OUT_DTYPE: tl.constexpr):
+                    EMULATE_CAST: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """x / scale rounded into OUT_DTYPE: to nearest (ties to even), or stochastically when STOCHASTIC.
 
-    The rounding is done here in fp32 so that the final cast is exact: the result then does not depend on
-    how a backend rounds fp32 -> fp8 (Triton 3.9's interpreter gets carries into the next binade wrong).
+    Stochastic rounding, and round-to-nearest under EMULATE_CAST, round in fp32 here so that the final cast is
+    exact (Triton 3.9's interpreter rounds fp32 -> fp8 wrongly when the carry reaches the next binade); on a
+    GPU round-to-nearest is the hardware's saturating cast.
     """
     y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
     if STOCHASTIC:
-        noise = tl.rand(seed, offsets)
+        bits_rand = tl.randint(seed, offsets)
+        noise = (bits_rand >> 8).to(tl.float32) * (1.0 / (1 << 24))  # uniform in [0, 1)
     else:
         noise = tl.full(y.shape, 0.5, tl.float32)
     if IS_INT:
         q = tl.where(y >= 0, tl.floor(y + noise), -tl.floor(-y + noise))
-    else:
+    elif STOCHASTIC or EMULATE_CAST:
         # Normal range: keep MANTISSA_BITS of the fp32 mantissa. Adding half an ulp (ties to even) or a random
         # fraction of one (stochastic) to the bit pattern, then clearing the dropped bits, rounds the magnitude.
         drop: tl.constexpr = 23 - MANTISSA_BITS
         low: tl.constexpr = (1 << drop) - 1
         bits = y.to(tl.int32, bitcast=True)
         if STOCHASTIC:
-            inc = (tl.randint(seed, offsets) & low).to(tl.int32, bitcast=True)
+            inc = (bits_rand & low).to(tl.int32, bitcast=True)
         else:
             inc = (low >> 1) + ((bits >> drop) & 1)
         normal = ((bits + inc) & ~low).to(tl.float32, bitcast=True)
         # Subnormal range: a fixed quantum of 2^(MIN_NORMAL_EXP - MANTISSA_BITS).
         quantum: tl.constexpr = 2.0 ** (MIN_NORMAL_EXP - MANTISSA_BITS)
-        sub = tl.where(y >= 0, tl.floor(y / quantum + noise), -tl.floor(-y / quantum + noise)) * quantum
+        inv_quantum: tl.constexpr = 2.0 ** (MANTISSA_BITS - MIN_NORMAL_EXP)
+        sub = tl.where(y >= 0, tl.floor(y * inv_quantum + noise), -tl.floor(-y * inv_quantum + noise)) * quantum
         q = tl.where(tl.abs(y) < 2.0 ** MIN_NORMAL_EXP, sub, normal)
         q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    else:
+        q = y
     return q.to(OUT_DTYPE)
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_sm,
                           seed, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
-                          MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr, COL_AMAX: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                          MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr, EMULATE_CAST: tl.constexpr,
+                          COL_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                          ROW_BLOCKS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask,
-                other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    amax = tl.max(ax, axis=1)
-    scale = tl.where(amax > 0, amax / QMAX, 1.0)
-    offsets = rows[:, None] * K + cols[None, :]
-    q = _scale_and_cast(x, scale[:, None], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, STOCHASTIC,
-                        q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=mask)
-    tl.store(s_ptr + rows * stride_sm + pid_k, scale, mask=rows < M)
+    col_amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for i in range(ROW_BLOCKS):
+        rows = (pid_m * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask,
+                    other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        amax = tl.max(ax, axis=1)
+        scale = tl.where(amax > 0, amax / QMAX, 1.0)
+        offsets = rows[:, None] * K + cols[None, :]
+        q = _scale_and_cast(x, scale[:, None], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP,
+                            STOCHASTIC, EMULATE_CAST, q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + rows * stride_sm + pid_k, scale, mask=rows < M)
+        if COL_AMAX:
+            col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
     if COL_AMAX:
-        # amax >= 0, and non-negative floats order like their int32 bit patterns: an integer atomic max works.
-        col_amax = tl.max(ax, axis=0)
-        tl.atomic_max(colmax_ptr + cols, col_amax.to(tl.int32, bitcast=True), mask=cols < K)
+        # One partial row per program, reduced by the caller: deterministic, and no atomics on hot addresses.
+        tl.store(colmax_ptr + pid_m.to(tl.int64) * K + cols, col_amax, mask=cols < K)
 
 
 @triton.jit
 def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, stride_xk, stride_qk, stride_sk,
                             seed, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
-                            MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr, TILE_SCALES: tl.constexpr,
+                            MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr, EMULATE_CAST: tl.constexpr,
+                            TILE_SCALES: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -123,11 +133,11 @@ def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, st
     if TILE_SCALES:
         amax = tl.max(tl.abs(x), axis=0)
     else:
-        amax = tl.load(colmax_ptr + cols, mask=cols < K, other=0).to(tl.float32, bitcast=True)
+        amax = tl.load(colmax_ptr + cols, mask=cols < K, other=0.0)
     scale = tl.where(amax > 0, amax / QMAX, 1.0)
     offsets = cols[None, :] * M + rows[:, None]
     q = _scale_and_cast(x, scale[None, :], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, STOCHASTIC,
-                        q_ptr.dtype.element_ty)
+                        EMULATE_CAST, q_ptr.dtype.element_ty)
     tl.store(q_ptr + cols[None, :].to(tl.int64) * stride_qk + rows[:, None], q, mask=mask)
     if TILE_SCALES:
         tl.store(s_ptr + cols * stride_sk + pid_m, scale, mask=cols < K)
@@ -149,11 +159,15 @@ def _check_group(group: int | None) -> None:
         raise ValueError(f"group must be None (one scale per row) or {TILE}, got {group}")
 
 
+def _emulate_cast() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
 def quantize_rows(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None,
                   stochastic: bool = False, col_amax: bool = False):
     """Quantize a 2-D tensor with one scale per row (group=None) or per row and 128-wide tile (group=128).
 
-    Returns (q, scale) or, with col_amax=True, (q, scale, column_amax as an int32 view of fp32 values).
+    Returns (q, scale) or, with col_amax=True, (q, scale, amax of each column of x in fp32).
     """
     _check_group(group)
     f = _format(fmt)
@@ -165,19 +179,21 @@ def quantize_rows(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int |
     else:
         block_k = TILE
     block_m = max(1, min(64, 8192 // block_k))
+    # With column amax, each program covers ~32 rows so that the partial maxima it writes stay small.
+    row_blocks = max(1, 32 // block_m) if col_amax else 1
     n_groups = triton.cdiv(K, block_k)
+    n_row_programs = triton.cdiv(M, block_m * row_blocks)
     q = torch.empty((M, K), dtype=f.dtype, device=x.device)
     scale = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
-    colmax = torch.zeros(K if col_amax else 1, dtype=torch.int32, device=x.device)
-    grid = (triton.cdiv(M, block_m), n_groups)
-    _quantize_rows_kernel[grid](
-        x, q, scale, colmax, M, K, x.stride(0), x.stride(1), q.stride(0), scale.stride(0), _seed(stochastic),
-        QMAX=f.max_value, IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits,
-        MIN_NORMAL_EXP=f.min_normal_exp, STOCHASTIC=stochastic,
-        COL_AMAX=col_amax, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8 if block_m * block_k >= 4096 else 4)
+    partial = torch.empty((n_row_programs, K) if col_amax else (1,), dtype=torch.float32, device=x.device)
+    _quantize_rows_kernel[(n_row_programs, n_groups)](
+        x, q, scale, partial, M, K, x.stride(0), x.stride(1), q.stride(0), scale.stride(0), _seed(stochastic),
+        QMAX=f.max_value, IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits, MIN_NORMAL_EXP=f.min_normal_exp,
+        STOCHASTIC=stochastic, EMULATE_CAST=_emulate_cast(), COL_AMAX=col_amax, BLOCK_M=block_m,
+        BLOCK_K=block_k, ROW_BLOCKS=row_blocks, num_warps=8 if block_m * block_k >= 4096 else 4)
     if group is None:
         scale = scale[:, 0]
-    return (q, scale, colmax) if col_amax else (q, scale)
+    return (q, scale, partial.amax(dim=0)) if col_amax else (q, scale)
 
 
 def quantize_cols_t(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None,
@@ -195,14 +211,14 @@ def quantize_cols_t(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int
     if not tiles and col_amax is None:
         raise ValueError("quantize_cols_t with one scale per column needs col_amax from quantize_rows")
     q = torch.empty((K, M), dtype=f.dtype, device=x.device)
-    block_m, block_k = (TILE, 64) if tiles else (64, 64)
+    block_m, block_k = (TILE, 64) if tiles else (64, 128)
     scale = torch.empty((K, triton.cdiv(M, TILE)) if tiles else (K, 1), dtype=torch.float32, device=x.device)
     colmax = col_amax if col_amax is not None else scale
     grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
     _quantize_cols_t_kernel[grid](
         x, q, scale, colmax, M, K, x.stride(0), x.stride(1), q.stride(0), scale.stride(0), _seed(stochastic),
         QMAX=f.max_value, IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits,
-        MIN_NORMAL_EXP=f.min_normal_exp, STOCHASTIC=stochastic,
+        MIN_NORMAL_EXP=f.min_normal_exp, STOCHASTIC=stochastic, EMULATE_CAST=_emulate_cast(),
         TILE_SCALES=tiles, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
     return q, (scale if tiles else scale[:, 0])
 

@@ -7,8 +7,11 @@ the `gpu` tests repeat them at model sizes.
 Error bounds (relative Frobenius norm unless said otherwise), from the formats' precision:
 * a quantized element is within half a unit in the last place: 2^-(m+1) relative for fp8 with m mantissa bits
   (e4m3: 6.25%, e5m2: 12.5% worst case; ~2.5% / ~5% RMS on Gaussian data), half a step (amax/127/2) for int8;
-* the GEMM on already-quantized operands is exact products summed in fp32 (int32 for int8): <= 1e-5 against
-  float64, and bf16 output rounding (2^-9) when the output is bf16;
+* the GEMM on already-quantized operands is exact products summed in fp32 (int32 for int8, exact): <= 1e-5
+  against float64, and bf16 output rounding (2^-9) when the output is bf16. Exception: Hopper's fp8 tensor
+  cores add into the accumulator with fewer than fp32's mantissa bits (DeepSeek-V3 report, sec. 3.3.2), so
+  there the fp8 bound is 2^-8: an empirical bound, from benchmarks/kernels.py, whose error against the
+  unquantized product grows by at most 0.5% in quadrature from K=768 to K=16384;
 * the GEMM against the unquantized float64 product: two quantization errors that add in quadrature,
   < 6% for e4m3 and < 2% for int8 on Gaussian data.
 """
@@ -32,6 +35,8 @@ from tscale_p2p.kernels.quantize import (  # noqa: E402
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp8 sums on Hopper tensor cores are not fp32-exact (see above); elsewhere (interpreter, int8) they are.
+FP8_SUM_BOUND = 2.0**-8 if DEVICE == "cuda" else 1e-5
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -52,17 +57,18 @@ def element_bound(x: torch.Tensor, scale_per_element: torch.Tensor, fmt: str) ->
 
 
 def check_quantized_rows(x, q, scale, fmt, group):
+    x, q, scale = x.cpu(), q.cpu(), scale.cpu()
     q_ref, s_ref = quantize_reference(x, fmt, group)
-    torch.testing.assert_close(scale, s_ref.to(scale.device), rtol=1e-6, atol=0)
+    torch.testing.assert_close(scale, s_ref, rtol=1e-6, atol=0)
     # Same rounding as torch's float64 -> fp8/int8 cast; a rare tie can round differently after the fp32
     # division, by one unit at most.
-    differ = (q.double().cpu() != q_ref.double())
+    differ = q.double() != q_ref.double()
     assert differ.float().mean() <= 1e-3
-    deq = dequantize(q, scale, group).cpu()
-    s_full = scale.double().cpu()[:, None] if group is None else \
-        scale.double().cpu().repeat_interleave(group, dim=1)[:, : x.shape[1]]
-    err = (deq - x.double().cpu()).abs()
-    bound = element_bound(x.cpu(), s_full.expand_as(err), fmt)
+    deq = dequantize(q, scale, group)
+    s_full = scale.double()[:, None] if group is None else \
+        scale.double().repeat_interleave(group, dim=1)[:, : x.shape[1]]
+    err = (deq - x.double()).abs()
+    bound = element_bound(x, s_full.expand_as(err), fmt)
     if differ.any():  # a differing tie is one unit away: allow it only there
         bound = torch.where(differ, 2 * bound, bound)
     assert (err <= bound).all(), (err / bound).max()
@@ -81,7 +87,7 @@ def test_quantize_rows_matches_reference(fmt, group):
         q, scale, col_amax = quantize_rows(x, fmt, group, col_amax=True)
         assert q.dtype == FORMATS[fmt].dtype and q.shape == (M, K)
         check_quantized_rows(x, q, scale, fmt, group)
-        assert torch.equal(col_amax.view(torch.float32), x.abs().amax(dim=0))
+        assert torch.equal(col_amax, x.abs().amax(dim=0))
 
 
 def test_quantize_rows_reads_strided_bf16_and_zero_rows():
@@ -139,7 +145,7 @@ def test_scaled_mm_matches_reference(impl, fmt, group):
     M, N, K = (70, 50, 300) if impl == "pointer" else (70, 56, 304)
     a, b, a_q, b_q, s_a, s_b = quantized_pair(M, N, K, fmt, group)
     c = scaled_mm(a_q, b_q, s_a, s_b, out_dtype=torch.float32, group=group, impl=impl)
-    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b, group)) <= 1e-5
+    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b, group)) <= (FP8_SUM_BOUND if fmt == "e4m3" else 1e-5)
     assert rel_err(c, a.double() @ b.double().T) <= (0.06 if fmt == "e4m3" else 0.02)
 
 
@@ -148,7 +154,7 @@ def test_scaled_mm_bf16_output_and_mixed_fp8_formats():
     a, b, a_q, b_q, s_a, s_b = quantized_pair(33, 40, 100, "e5m2", None, b_fmt="e4m3")
     c = scaled_mm(a_q, b_q, s_a, s_b, out_dtype=torch.bfloat16)
     assert c.dtype == torch.bfloat16
-    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b)) <= 2.0**-8
+    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b)) <= 2.0**-8 + FP8_SUM_BOUND
 
 
 @gpu
@@ -173,9 +179,9 @@ def test_scaled_mm_at_model_size(impl, fmt, group):
     M, N, K = 4096, 3072, 2048
     a, b, a_q, b_q, s_a, s_b = quantized_pair(M, N, K, fmt, group)
     c = scaled_mm(a_q, b_q, s_a, s_b, out_dtype=torch.float32, group=group, impl=impl)
-    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b, group)) <= 1e-5
+    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b, group)) <= (FP8_SUM_BOUND if fmt == "e4m3" else 1e-5)
     assert rel_err(c, a.double() @ b.double().T) <= (0.06 if fmt == "e4m3" else 0.02)
     # a shape that is no multiple of any block
     a, b, a_q, b_q, s_a, s_b = quantized_pair(1000, 776, 1040, fmt, group)
     c = scaled_mm(a_q, b_q, s_a, s_b, out_dtype=torch.bfloat16, group=group, impl=impl)
-    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b, group)) <= 2.0**-8
+    assert rel_err(c, scaled_mm_reference(a_q, b_q, s_a, s_b, group)) <= 2.0**-8 + FP8_SUM_BOUND
