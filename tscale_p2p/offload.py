@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -216,6 +217,8 @@ class OffloadedAdamW:
         self._accumulator_free = [threading.Event() for _ in range(self._copies)]
         for event in self._accumulator_free:
             event.set()
+        # cumulative seconds: host work of each thread, and the device side waiting for the host
+        self.timings = {"accumulate": 0.0, "update": 0.0, "stall": 0.0}
         self._grad_jobs: queue.Queue = queue.Queue()
         self._update_jobs: queue.Queue = queue.Queue()
         self._threads = [
@@ -355,8 +358,10 @@ class OffloadedAdamW:
     def _upload_unit(self, unit: _Unit, version: int, block: bool) -> None:
         slot = version % self._copies
         with self._cond:
-            if block:
+            if block and unit.slot_versions[slot] < version:
+                start = time.perf_counter()
                 self._cond.wait_for(lambda: unit.slot_versions[slot] >= version or self._error is not None)
+                self.timings["stall"] += time.perf_counter() - start
             self._raise_if_failed()
             if unit.slot_versions[slot] != version:
                 if unit.slot_versions[slot] > version:
@@ -374,7 +379,9 @@ class OffloadedAdamW:
     def _gradient_ready(self, record: _Param, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: copy the gradient to the host and free it on the device."""
         if not self._backward_open:
+            start = time.perf_counter()
             self._staging_free.wait()  # the gradient thread has consumed the previous backward's gradients
+            self.timings["stall"] += time.perf_counter() - start
             self._raise_if_failed()
             self._staging_free.clear()
             self._backward_open = True
@@ -425,15 +432,18 @@ class OffloadedAdamW:
             self._accumulator_free[accumulator].wait()  # the update `delay` steps back is done reading it
         if event is not None:
             event.synchronize()
+        start = time.perf_counter()
         for record in self._params:
             if first:
                 record.grads[accumulator].copy_(record.staging)
             else:
                 record.grads[accumulator].add_(record.staging)
+        self.timings["accumulate"] += time.perf_counter() - start
         self._staging_free.set()
 
     @torch.no_grad()
     def _update(self, options: list[dict], version: int, accumulator: int) -> None:
+        start = time.perf_counter()
         for record in self._params:
             record.master.grad = record.grads[accumulator]
         if self.grad_clip > 0:
@@ -454,6 +464,7 @@ class OffloadedAdamW:
                 self._cond.notify_all()
         for record in self._params:
             record.master.grad = None
+        self.timings["update"] += time.perf_counter() - start
         self._accumulator_free[accumulator].set()
 
     def _raise_if_failed(self) -> None:
