@@ -1,0 +1,200 @@
+"""Bytes on the wire per averaging round, 1-bit codec vs hivemind's codecs; block-size sweep; GPU pack speed.
+
+    python benchmarks/swarm_bytes.py wire [--dims e768h12d18w1024] [--peers 4]
+    python benchmarks/swarm_bytes.py blocks --data PATH/tinyshakespeare.txt
+    python benchmarks/swarm_bytes.py gpu            # on a CUDA machine
+
+`wire`: one round of hivemind's butterfly all-reduce among `--peers` peers with equal bandwidth, for the
+tensor shapes of the given model (built on the meta device: no memory, no weights). Every message a peer
+sends and receives is built for real: hivemind's `TensorPartContainer` splits the tensors into parts exactly
+as an all-reduce does, each part is compressed by the codec, wrapped in the `AveragingData` protobuf that
+goes on the stream, and measured with `ByteSize()`. Codec output sizes do not depend on the values, so each
+distinct part size is compressed once. Not counted: libp2p framing (yamux, noise), the same for every codec.
+Return trip: hivemind sends `average - own part` compressed with the sender's codec; SwarmAverager sends one
+1-bit message per part (sign + scale of average + reducer residual).
+
+`blocks`: relative L2 error of sign x block-scale on a real pseudo-gradient (a small model trained a few
+AdamW steps on the given text), for several block sizes and scale dtypes, with the bits per value each costs.
+
+`gpu`: the fused error-feedback pack and the unpack kernel in GB/s next to a device copy, several sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from hivemind.averaging.partition import TensorPartContainer
+from hivemind.compression import CompressionInfo, Float16Compression, Uniform8BitQuantization
+from hivemind.proto import averaging_pb2
+
+from tscale_p2p.kernels.onebit import error_feedback_pack_triton, pack, unpack, unpack_triton
+from tscale_p2p.model import ModelConfig, Transformer
+from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec
+
+HIVEMIND_PART_SIZE_BYTES = 2**19  # hivemind's default
+ONEBIT_PART_SIZE_BYTES = 2**17  # SwarmAverager's default: 2**20 values per part
+
+
+def model_shapes(dims: str) -> list[torch.Size]:
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_dims(dims))
+    return [p.shape for p in model.parameters()]
+
+
+def round_bytes(shapes, codec, part_size_bytes: int, peers: int) -> dict[str, float]:
+    """Bytes peer 0 sends and receives in one all-reduce round, and bits per value of each trip's messages."""
+    tensors = [torch.empty(shape) for shape in shapes]  # values do not matter for sizes; see module docstring
+    infos = [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
+    container = TensorPartContainer(tensors, [1.0] * peers, codec, part_size_bytes, infos)
+    message_sizes: dict[int, tuple[int, int]] = {}
+
+    def sizes(numel: int) -> tuple[int, int]:
+        """(sender -> reducer message, reducer -> sender message) bytes for a part of `numel` values."""
+        if numel not in message_sizes:
+            part = codec.compress(torch.randn(numel), CompressionInfo.from_tensor(torch.empty(numel)))
+            up = averaging_pb2.AveragingData(tensor_part=part, weight=1000.0).ByteSize()
+            down = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=part).ByteSize()
+            message_sizes[numel] = (up, down)
+        return message_sizes[numel]
+
+    # the first message of each stream also carries its code and the 20-byte group id
+    stream_header = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=bytes(20)).ByteSize()
+    sent = received = 0
+    for reducer in range(1, peers):  # peer 0 sends its parts of the other spans and gets their averages back
+        sent += stream_header
+        for part, _ in container._input_parts_by_peer[reducer]:
+            up, down = sizes(part.numel())
+            sent, received = sent + up, received + down
+    received += (peers - 1) * stream_header  # peer 0 reduces its own span: every other peer streams to it
+    for part, _ in container._input_parts_by_peer[0]:
+        up, down = sizes(part.numel())
+        received, sent = received + (peers - 1) * up, sent + (peers - 1) * down
+    all_parts = [part.numel() for reducer in range(peers) for part, _ in container._input_parts_by_peer[reducer]]
+    values = sum(all_parts)
+    return dict(
+        sent=sent,
+        received=received,
+        up_bits=8 * sum(sizes(n)[0] for n in all_parts) / values,
+        down_bits=8 * sum(sizes(n)[1] for n in all_parts) / values,
+    )
+
+
+def wire(args) -> None:
+    shapes = model_shapes(args.dims)
+    numel = sum(s.numel() for s in shapes)
+    codecs = [
+        ("Float16 (hivemind)", Float16Compression(), HIVEMIND_PART_SIZE_BYTES),
+        ("Uniform8Bit (hivemind)", Uniform8BitQuantization(), HIVEMIND_PART_SIZE_BYTES),
+        (f"OneBitCodec, block {BLOCK_SIZE} (ours)", OneBitCodec(), ONEBIT_PART_SIZE_BYTES),
+    ]
+    print(f"model {args.dims}: {numel / 1e6:.1f}M parameters in {len(shapes)} tensors, {args.peers} peers, one round")
+    print(
+        f"{'codec':<30} {'up bits/value':>13} {'down bits/value':>15} {'peer sent MB':>13} {'peer recv MB':>13}"
+        f" {'vs ours':>8}"
+    )
+    rows = [(name, round_bytes(shapes, codec, part_size, args.peers)) for name, codec, part_size in codecs]
+    ours = rows[-1][1]["sent"]
+    for name, row in rows:
+        print(
+            f"{name:<30} {row['up_bits']:>13.4f} {row['down_bits']:>15.4f} {row['sent'] / 1e6:>13.2f}"
+            f" {row['received'] / 1e6:>13.2f} {row['sent'] / ours:>7.1f}x"
+        )
+    print(
+        "up: a sender's part to its reducer; down: the reducer's answer. Bits per value carried, everything in\n"
+        f"the protobuf message included. Per round a peer sends {args.peers - 1}/{args.peers} of the model up and"
+        f" answers its own 1/{args.peers} span to each of the {args.peers - 1} others: "
+        f"{2 * (args.peers - 1) / args.peers:.2f}x the model at each codec's rate."
+    )
+
+
+def pseudo_gradient(data_path: str, steps: int = 50) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_dims("e128h4d4w64"))
+    data = torch.frombuffer(bytearray(open(data_path, "rb").read()[:300_000]), dtype=torch.uint8).long()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def train(n: int) -> None:
+        for _ in range(n):
+            starts = torch.randint(0, len(data) - 65, (16,))
+            batch = torch.stack([data[s : s + 65] for s in starts])
+            logits = model(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    train(100)  # past the first, atypical steps
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    train(steps)
+    return before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def blocks(args) -> None:
+    delta = pseudo_gradient(args.data)
+    print(f"pseudo-gradient of {delta.numel()} values (50 AdamW steps of an e128h4d4w64 model)")
+    print(f"{'block':>6} {'scale':>6} {'bits/value':>11} {'rel. L2 error':>14}")
+    for block in (32, 64, 128, 256, 512, 1024, 4096):
+        signs, scales = pack(delta, block)
+        for scale_name, scale_bits, decoded_scales in (("bf16", 16, scales), ("fp32", 32, None)):
+            if decoded_scales is None:  # fp32 scales: the exact block means
+                blocks_view = torch.nn.functional.pad(delta, (0, -delta.numel() % block)).view(-1, block)
+                counts = torch.full((blocks_view.shape[0],), float(block))
+                counts[-1] = delta.numel() - (blocks_view.shape[0] - 1) * block
+                exact = blocks_view.abs().sum(1) / counts
+                decoded = torch.where(delta < 0, -1.0, 1.0) * exact.repeat_interleave(block)[: delta.numel()]
+            else:
+                decoded = unpack(signs, decoded_scales, delta.numel(), block)
+            error = float((delta - decoded).norm() / delta.norm())
+            print(f"{block:>6} {scale_name:>6} {1 + scale_bits / block:>11.4f} {error:>14.4f}")
+
+
+def gpu(args) -> None:
+    import triton.testing
+
+    assert torch.cuda.is_available(), "gpu mode needs CUDA"
+    print(f"device: {torch.cuda.get_device_name()}")
+    print(f"{'values':>12} {'copy GB/s':>10} {'ef-pack GB/s':>13} {'% of copy':>10} {'unpack GB/s':>12} {'rows':>5}")
+    for log_size in (24, 26, 28):
+        n = 2**log_size
+        x = torch.randn(n, device="cuda")
+        residual = torch.zeros(n, device="cuda")
+        out = torch.empty_like(x)
+        copy_ms = triton.testing.do_bench(lambda: out.copy_(x))
+        copy_gbs = 8 * n / copy_ms / 1e6
+        best = None
+        for rows in (1, 2, 4, 8, 16, 32):
+            ms = triton.testing.do_bench(lambda: error_feedback_pack_triton(x, residual, BLOCK_SIZE, rows))
+            if best is None or ms < best[0]:
+                best = (ms, rows)
+        ms, rows = best
+        # reads x and residual, writes residual, signs (n/8) and bf16 scales (2n/block)
+        pack_bytes = 12 * n + n / 8 + 2 * n / BLOCK_SIZE
+        pack_gbs = pack_bytes / ms / 1e6
+        signs, scales = error_feedback_pack_triton(x, residual, BLOCK_SIZE)
+        unpack_ms = triton.testing.do_bench(lambda: unpack_triton(signs, scales, n, BLOCK_SIZE))
+        unpack_gbs = (4 * n + n / 8 + 2 * n / BLOCK_SIZE) / unpack_ms / 1e6
+        print(
+            f"{n:>12} {copy_gbs:>10.0f} {pack_gbs:>13.0f} {100 * pack_gbs / copy_gbs:>9.0f}% "
+            f"{unpack_gbs:>12.0f} {rows:>5}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    wire_parser = sub.add_parser("wire", help="bytes per round per peer, ours vs hivemind's codecs")
+    wire_parser.add_argument("--dims", default="e768h12d18w1024", help="model dims (default: 128M parameters)")
+    wire_parser.add_argument("--peers", type=int, default=4)
+    blocks_parser = sub.add_parser("blocks", help="error vs block size on a real pseudo-gradient")
+    blocks_parser.add_argument("--data", required=True, help="a text file (e.g. tinyshakespeare.txt)")
+    sub.add_parser("gpu", help="pack kernel GB/s vs copy bandwidth (CUDA)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    dict(wire=wire, blocks=blocks, gpu=gpu)[args.mode](args)
+    print(f"({time.perf_counter() - started:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
