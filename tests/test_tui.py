@@ -18,6 +18,7 @@ from tscale_p2p.peers.join import JoinOptions, join
 from tscale_p2p.peers.metrics import PeerRecord
 from tscale_p2p.peers.network import NetworkOptions
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus, StatusSnapshot
+from tscale_p2p.tui import format as fmt
 from tscale_p2p.tui.app import Dashboard, PeersFetched, logging_into
 from tscale_p2p.tui.help import HelpScreen
 from tscale_p2p.tui.log_pane import LogPane
@@ -407,3 +408,29 @@ def test_live_two_peer_swarm_appears_in_the_table_and_q_stops_this_peer(spawn, t
     assert "e32h2d2w64" in seen["summary"] and "2 peers" in seen["summary"]
     assert code == 0
     assert list((tmp_path / "alpha").glob("*.safetensors")), "alpha saved no checkpoint after q"
+
+
+@pytest.mark.anyio
+async def test_a_refresh_keeps_the_reader_s_place_in_a_long_peers_table():
+    crowd = [peer(f"12D3KooWCrowd{i:036d}", f"volunteer-{i:02d}", tokens_per_s=1000.0 + i) for i in range(40)]
+    app = quiet_dashboard(FakeSource(peers=crowd))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        table = app.query_one(PeersTable)
+        table.scroll_to(y=20, animate=False, immediate=True)
+        await pilot.pause()
+        assert table.scroll_y == 20
+        app.post_message(PeersFetched(crowd))
+        await pilot.pause()
+        await pilot.pause()
+        assert table.row_count == 40 and table.scroll_y == 20
+
+
+def test_short_numbers_for_narrow_cells():
+    assert [fmt.count(n) for n in (0, 812, 999.6, 18_900, 999_999, 4_560_000, 123_000_000)] == [
+        "0", "812", "1k", "18.9k", "1M", "4.56M", "123M"
+    ]  # fmt: skip
+    assert fmt.size(1_160_000) == "1.16MB"
+    assert [fmt.duration(s) for s in (0.4, 12, 185, 7800)] == ["0.4s", "12s", "3m05s", "2h10m"]
+    assert [fmt.age(s) for s in (0.3, 47, 300, 3 * 3600, 3 * 86400)] == ["now", "47s", "5m", "3h", "3d"]
+    assert fmt.loss(None) == "-" and fmt.loss(float("nan")) == "-" and fmt.loss(2.4129) == "2.413"

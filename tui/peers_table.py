@@ -143,6 +143,9 @@ class PeersTable(DataTable):
         self._fill(columns=True)
 
     def _fill(self, columns: bool = False) -> None:
+        # Rebuilding is simpler than patching rows in place, but `clear()` scrolls to the top: keep the
+        # reader's place in a long table (restored once the new rows are measured).
+        scrolled_to = self.scroll_offset
         self.clear(columns=columns)
         if columns:
             for column in self.columns_shown:
@@ -157,3 +160,5 @@ class PeersTable(DataTable):
                 for column in self.columns_shown
             ]
             self.add_row(*cells, key=record.peer_id)
+        if scrolled_to != (0, 0):
+            self.call_after_refresh(self.scroll_to, scrolled_to.x, scrolled_to.y, animate=False, immediate=True)
