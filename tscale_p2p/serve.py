@@ -190,6 +190,8 @@ class CompletionService:
 
     def _post(self, deltas: dict[GenerationSequence, str]) -> None:
         for seq, text in deltas.items():
+            if seq not in self._outboxes:  # its client went away meanwhile
+                continue
             index, outbox = self._outboxes[seq]
             outbox.put((index, text, seq.finish_reason))
             if seq.done:
