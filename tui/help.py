@@ -9,27 +9,27 @@ from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
 HELP = """\
-# tscale-peer dashboard
+**Keys**
 
-| key | action |
-| --- | --- |
-| `p` | pause / resume local training (the peer stays in the swarm and keeps serving its state) |
-| `s` | sort the peers table by the next column (or click a column header; again to reverse) |
-| `q` | quit: save a checkpoint and leave the swarm |
-| `?` | this help (`escape` closes it) |
+- `p` pause / resume local training: the peer stays in the swarm and keeps serving its state
+- `s` sort the peers by the next column (or click a column header; click again to reverse)
+- `q` quit: save a checkpoint and leave the swarm
+- `?` this help (`escape` closes it)
 
-**Swarm**: peers with a live record, their summed tokens/s, the latest averaging round and the tokens
+**Swarm**: peers with a live record, their summed tokens/s, the latest averaging round, and the tokens
 trained by the peers online.
 
-**Peers**: one row per peer, this one in bold. *link*: `direct` or through a libp2p `relay` (NAT).
-*tokens*: tokens trained since the peer joined. *seen*: age of its last record (records expire
-after a minute of silence).
+**Peers**: one row per peer, this one highlighted. *link*: `direct`, or through a libp2p `relay` (behind
+NAT). *tokens*: tokens trained since the peer joined. *seen*: age of its last record; a peer silent for
+a minute drops off.
 
-**This peer**: local step, training loss, tokens/s, peak GPU memory, precision, whether weights and
-optimizer state are offloaded to CPU, and time until the next averaging round.
+**This peer**: local step, training loss, tokens/s, peak GPU memory, precision, whether master weights and
+optimizer state live in CPU memory (*offload*), and the time to the next averaging round.
 
-**Averaging**: one row per round: peers in the group, bytes sent and received, duration, wire bits
-per parameter (scales included) and peers dropped from the round.
+**Charts**: loss (the mean over peers when only watching) and local and swarm tokens/s, oldest on the left.
+
+**Averaging**: one row per round: peers in the group, bytes sent and received, duration, wire bits per
+parameter (*bits*, scales included) and peers dropped from the round.
 """
 
 
