@@ -77,14 +77,14 @@ def _prune_configs(configs, named_args, **kwargs):
     if args.get("GROUP_K", 0):  # K blocks must not straddle a scale tile
         kept = [c for c in kept if TILE % c.kwargs["BLOCK_K"] == 0]
     if kind != _INTERPRET:
-        # Operand stages (1-byte elements) plus the output tile staged for the TMA store; Triton's autotuner
-        # does not reliably skip a config whose shared memory exceeds the limit (fp32 outputs double the tile).
-        out = args["c_desc"].base if "c_desc" in args else args["c_ptr"]
+        # Operand stages (1-byte elements) plus the output tile staged for the epilogue store. OUT_BYTES is in
+        # the autotune key: an fp32 output (wgrad, or dgrad of an fp32 input) needs twice the epilogue memory
+        # of a bf16 one of the same shape, so a config tuned for one must not be reused for the other.
         limit = _shared_memory_limit() - 4096
 
         def smem(c):
             bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-            return c.num_stages * (bm + bn) * bk + bm * bn * out.element_size()
+            return c.num_stages * (bm + bn) * bk + bm * bn * args["OUT_BYTES"]
 
         fitting = [c for c in kept if smem(c) <= limit]
         kept = fitting or [min(kept, key=smem)]
@@ -150,11 +150,12 @@ def _mma(a, b, acc, sa_ptr, sb_ptr, offs_m, offs_n, k_start, M, N, stride_sa, st
     return acc
 
 
-@triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "GROUP_K"], prune_configs_by={"early_config_prune": _prune_configs},
+@triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "GROUP_K", "OUT_BYTES"], prune_configs_by={"early_config_prune": _prune_configs},
                  do_bench=_autotune_bench)
 @triton.jit
 def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
                       stride_cm, stride_cn, stride_sa, stride_sb, GROUP_K: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                      OUT_BYTES: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -179,11 +180,12 @@ def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, s
              c.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "GROUP_K"], prune_configs_by={"early_config_prune": _prune_configs},
+@triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "GROUP_K", "OUT_BYTES"], prune_configs_by={"early_config_prune": _prune_configs},
                  do_bench=_autotune_bench)
 @triton.jit
 def _scaled_mm_tma_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K, stride_sa, stride_sb,
-                          GROUP_K: tl.constexpr, ACC_DTYPE: tl.constexpr, NUM_SMS: tl.constexpr,
+                          GROUP_K: tl.constexpr, ACC_DTYPE: tl.constexpr, OUT_BYTES: tl.constexpr,
+                          NUM_SMS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -254,12 +256,12 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
         sms = _num_sms(a.device.index or 0)
         grid = lambda meta: (min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
         _scaled_mm_tma_kernel[grid](a_desc, b_desc, c_desc, scale_a, scale_b, M, N, K, stride_sa, stride_sb,
-                                    GROUP_K=group_k, ACC_DTYPE=acc_dtype, NUM_SMS=sms)
+                                    GROUP_K=group_k, ACC_DTYPE=acc_dtype, OUT_BYTES=c.element_size(), NUM_SMS=sms)
     elif impl == "pointer":
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
         _scaled_mm_kernel[grid](a, b, c, scale_a, scale_b, M, N, K, a.stride(0), a.stride(1), b.stride(0),
                                 b.stride(1), c.stride(0), c.stride(1), stride_sa, stride_sb,
-                                GROUP_K=group_k, ACC_DTYPE=acc_dtype)
+                                GROUP_K=group_k, ACC_DTYPE=acc_dtype, OUT_BYTES=c.element_size())
     else:
         raise ValueError(f"impl must be 'auto', 'tma' or 'pointer', got {impl!r}")
     return c

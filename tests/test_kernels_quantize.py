@@ -60,10 +60,11 @@ def check_quantized_rows(x, q, scale, fmt, group):
     x, q, scale = x.cpu(), q.cpu(), scale.cpu()
     q_ref, s_ref = quantize_reference(x, fmt, group)
     torch.testing.assert_close(scale, s_ref, rtol=1e-6, atol=0)
-    # Same rounding as torch's float64 -> fp8/int8 cast; a rare tie can round differently after the fp32
-    # division, by one unit at most.
+    # Same rounding as torch's float64 -> fp8/int8 cast, except within an ulp or two of a rounding boundary:
+    # the kernel divides in fp32 (approximately on GPUs, div.full.f32), and bf16 inputs put many values on
+    # exact ties. Measured on an H200: 0.11-0.13% of bf16 elements; such elements may be one unit off.
     differ = q.double() != q_ref.double()
-    assert differ.float().mean() <= 1e-3
+    assert differ.float().mean() <= 5e-3
     deq = dequantize(q, scale, group)
     s_full = scale.double()[:, None] if group is None else \
         scale.double().repeat_interleave(group, dim=1)[:, : x.shape[1]]
