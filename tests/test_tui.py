@@ -387,6 +387,12 @@ def test_live_two_peer_swarm_appears_in_the_table_and_q_stops_this_peer(spawn, t
             seen["own row style"] = table.get_row(status.snapshot().peer_id)[0].style
             seen["summary"] = str(app.query_one("#summary").render())
             seen["log"] = app.query_one(LogPane).lines
+            # What `tscale-peer dashboard --initial-peers ALPHA` sees, from a node of its own:
+            watcher = SwarmMetricsSource("live", initial_peers=[alpha_maddr])
+            try:
+                seen["watched"] = sorted(r.name for r in await asyncio.to_thread(watcher.fetch_peers))
+            finally:
+                watcher.close()
             await pilot.press("q")
 
     def dashboard_thread() -> None:
@@ -406,6 +412,7 @@ def test_live_two_peer_swarm_appears_in_the_table_and_q_stops_this_peer(spawn, t
     assert seen.get("names") == ["alpha", "beta"], seen
     assert seen["own row style"]  # alpha's own row is highlighted
     assert "e32h2d2w64" in seen["summary"] and "2 peers" in seen["summary"]
+    assert seen["watched"] == ["alpha", "beta"]
     assert code == 0
     assert list((tmp_path / "alpha").glob("*.safetensors")), "alpha saved no checkpoint after q"
 

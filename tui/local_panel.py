@@ -55,7 +55,12 @@ class LocalPanel(Static):
         for label, value, label2, value2 in pairs:
             grid.add_row(label, value, label2, value2)
         self.update(grid)
-        state = "paused" if status.paused else "averaging" if status.averaging_in_flight else "training"
+        if status.paused:
+            state = "paused"
+        elif not status.peer_id:
+            state = "joining"  # the DHT, the run config or the state download is still on its way
+        else:
+            state = "averaging" if status.averaging_in_flight else "training"
         self.border_title = f"this peer · {state}"
         self.border_subtitle = status.name or None
         self.set_class(status.paused, "-paused")
