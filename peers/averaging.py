@@ -18,13 +18,27 @@ One round, seen from a peer (all of it in the averager's child process, after hi
 A span whose reducer fails or sends something invalid contributes zero for that round (identically on every
 peer that lost it); if the whole round fails, the sender's residual is rolled back, so nothing is lost.
 
-Usage (host process)::
+Usage: the asynchronous swarm loop (host process; `DelayedOuterStep` is in peers/outer.py)::
 
-    averager = SwarmAverager(template_tensors, dht, prefix=f"{run_id}_grad", start=True)
-    pending = averager.start_round(pseudo_gradient, tokens=tokens_this_round)   # returns at once
-    ...                                                                         # keep training
-    outcome = pending.result()          # RoundOutcome; outcome.averaged is None when nobody joined
-    averager.shutdown()
+    names = list(trainer.snapshot())
+    averager = SwarmAverager(list(trainer.snapshot().values()), dht, prefix=f"{run_id}_grad")
+    rounds = DelayedOuterStep(OuterOptimizer(trainer.snapshot()))
+    pending, own_previous = None, None
+    while training:
+        tokens = sum(trainer.local_step().tokens for _ in range(inner_steps))   # one round of local work
+        averaged_previous = None
+        if pending is not None:                      # the previous round's average, one round late
+            outcome = pending.result()               # never raises for network trouble
+            averaged_previous = (dict(zip(names, outcome.averaged)) if outcome.averaged is not None
+                                 else own_previous)  # nobody to average with: go alone
+        weights, pseudo_gradient = rounds.finish_round(trainer.snapshot(), averaged_previous)
+        trainer.apply_outer_update(weights)
+        pending = averager.start_round([pseudo_gradient[n] for n in names], tokens=tokens)
+        own_previous = pseudo_gradient
+    averager.shutdown(); dht.shutdown()
+
+Register nothing by hand: importing this module imports peers/codec.py, which registers the codec with
+hivemind before any averager process is forked.
 """
 
 from __future__ import annotations
@@ -170,6 +184,9 @@ class SwarmAverager(DecentralizedAverager):
         self._pending: Optional[PendingRound] = None
 
         request_timeout = request_timeout if request_timeout is not None else min(3.0, matchmaking_time / 2)
+        client_mode = kwargs.get("client_mode")
+        client_mode = dht.client_mode if client_mode is None else client_mode
+        kwargs.setdefault("allow_state_sharing", state_source is not None and not client_mode)
         super().__init__(
             tensors,
             dht,
@@ -185,7 +202,6 @@ class SwarmAverager(DecentralizedAverager):
             tensor_infos=[
                 CompressionInfo.from_tensor(t, key=i, role=TensorRole.GRADIENT) for i, t in enumerate(tensors)
             ],
-            allow_state_sharing=kwargs.pop("allow_state_sharing", state_source is not None),
             **kwargs,
         )
         if start:
@@ -243,7 +259,7 @@ class SwarmAverager(DecentralizedAverager):
         with self.get_tensors():
             for name, residual in (("sender", self._sender_residual), ("reducer", self._reducer_residual)):
                 if state[name].shape != residual.shape:
-                    raise ValueError(f"{name} residual has shape {tuple(state[name].shape)}, expected {tuple(residual.shape)}")
+                    raise ValueError(f"{name} residual shape {tuple(state[name].shape)} != {tuple(residual.shape)}")
                 residual.copy_(state[name])
 
     def get_current_state(self):

@@ -2,29 +2,33 @@
 
 import os
 
-# The Triton kernels are built at import time; on a machine without CUDA they must be built for the
-# interpreter, so this has to happen before tscale_p2p.kernels.onebit is first imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.proto import runtime_pb2
 
-from tscale_p2p.kernels.onebit import (
+# The Triton kernels are built at import time; without CUDA they must be built for the interpreter, so this
+# has to happen before tscale_p2p.kernels.onebit is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
+from hivemind.proto import runtime_pb2  # noqa: E402
+
+from tscale_p2p.kernels.onebit import (  # noqa: E402
     error_feedback_pack,
     error_feedback_pack_triton,
     pack,
     unpack,
     unpack_triton,
 )
-from tscale_p2p.peers.codec import (
+from tscale_p2p.peers.codec import (  # noqa: E402
     BLOCK_SIZE,
     ONEBIT_COMPRESSION_TYPE,
     MalformedTensorError,
     OneBitCodec,
     register_onebit_codec,
 )
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def wire_round_trip(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -140,16 +144,27 @@ def test_error_feedback_makes_the_cumulative_sum_track_the_true_sum():
 
 @pytest.mark.parametrize("numel,block", [(1, 8), (1000, 64), (4096, 256), (70001, 256), (5000, 1024)])
 def test_triton_kernels_match_the_torch_path(numel, block):
+    check_triton_against_torch(numel, block)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_kernels_match_the_torch_path_at_model_size():
+    check_triton_against_torch(7 * 2**20 + 3, BLOCK_SIZE)
+
+
+def check_triton_against_torch(numel: int, block: int) -> None:
     torch.manual_seed(numel)
     x, residual = torch.randn(numel), torch.randn(numel) * 0.1
-    torch_residual, triton_residual = residual.clone(), residual.clone()
+    torch_residual, triton_residual = residual.clone(), residual.to(DEVICE, copy=True)
     torch_signs, torch_scales = error_feedback_pack(x, torch_residual, block)
-    triton_signs, triton_scales = error_feedback_pack_triton(x, triton_residual, block)
+    triton_signs, triton_scales = error_feedback_pack_triton(x.to(DEVICE), triton_residual, block)
+    decoded = unpack_triton(triton_signs, triton_scales, numel, block).cpu()
+    triton_signs, triton_scales, triton_residual = triton_signs.cpu(), triton_scales.cpu(), triton_residual.cpu()
     assert torch.equal(triton_signs, torch_signs)
     # Sums in a different order may round a scale to the neighbouring bf16 value, never further.
     torch.testing.assert_close(triton_scales.float(), torch_scales.float(), rtol=2**-7, atol=0)
     # Each path's residual is exactly what its own packed form lost.
-    decoded = unpack_triton(triton_signs, triton_scales, numel, block)
     torch.testing.assert_close(triton_residual, x + residual - decoded, rtol=0, atol=1e-6)
     assert torch.equal(decoded, unpack(triton_signs, triton_scales, numel, block))
 
