@@ -225,7 +225,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
 
 def download_state(peer: SwarmPeer, should_stop, timeout_s: float = 60.0) -> bool:
     """Fetch the shared weights and outer momentum from a live peer, with a progress display."""
-    numel = sum(t.numel() for t in peer.outer.theta)
+    numel = sum(w.numel() for w in peer.outer.weights.values())
     expected = 2 * 4 * numel  # fp32 weights + fp32 momentum
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=False) as progress:

@@ -2,23 +2,16 @@
 the next round trains, and applies the outer update one round late with a correction.
 
 The loop talks to the trainer only through `local_step()`, `snapshot()` and `apply_outer_update()`, and to
-the network only through `SwarmAverager` (peers/averaging.py) and `SwarmMetrics`.
+the network only through `SwarmAverager` (peers/averaging.py) and `SwarmMetrics`. The outer step and the
+one-round-late correction are `OuterOptimizer` and `DelayedOuterStep` (peers/outer.py).
 
-Outer state: the shared weights `theta` (what every peer agrees the model is after the last outer step) and
-the Nesterov momentum of the outer SGD. They are what a joining peer downloads.
+Outer state: the global weights (what every peer agrees the model is after the last outer step) and the
+Nesterov momentum of the outer SGD. They are what a joining peer downloads.
 
-One round, r, as this peer runs it::
-
-    round r trains from `round_start` ........ ends: delta_r = round_start - weights; start averaging delta_r
-    round r+1 trains at once ..... average of delta_r arrives: theta <- outer_sgd(theta, average);
-                                   weights <- theta + (weights - round_start)   (keep the local progress)
-                                   round_start <- theta
-
-so the pseudo-gradient of every round is measured from `theta`, and the network time of round r hides
-behind the compute of round r+1. The trainer never waits for the network: if round r+1 reaches H steps
-before the average of round r arrives, it keeps training and ends at the first step after the arrival.
-A round that finds nobody, or fails, is applied with this peer's own pseudo-gradient: a lonely peer
-simply continues alone.
+The trainer never waits for the network: a round ends after H steps *and* once the previous round's average
+has arrived; while it has not, training simply goes on, so a slow round makes the next one longer instead
+of idling the device. A round that finds nobody, or fails, is applied with this peer's own pseudo-gradient:
+a lonely peer simply continues alone.
 """
 
 from __future__ import annotations
@@ -40,6 +33,7 @@ from safetensors.torch import save_file
 from tscale_p2p import __version__
 from tscale_p2p.peers.averaging import PendingRound, RoundOutcome, SwarmAverager
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
+from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig, publish_run_config
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus
 from tscale_p2p.trainer import Trainer
@@ -62,46 +56,13 @@ class SwarmIdentity:
     visible_maddrs: tuple[str, ...] = ()
 
 
-class OuterOptimizer:
-    """Nesterov-momentum SGD on the averaged pseudo-gradient (DiLoCo), identical on every peer.
-
-    Holds the shared weights `theta` and torch's SGD momentum buffers, fp32 on the CPU.
-    """
-
-    def __init__(self, theta: list[torch.Tensor], lr: float, momentum: float) -> None:
-        self.theta = [t.detach().float().cpu().clone() for t in theta]
-        self.sgd = torch.optim.SGD(self.theta, lr=lr, momentum=momentum, nesterov=True)
-
-    @torch.no_grad()
-    def step(self, pseudo_gradient: list[torch.Tensor]) -> None:
-        for param, grad in zip(self.theta, pseudo_gradient):
-            param.grad = grad.to(param.dtype)
-        self.sgd.step()
-        for param in self.theta:
-            param.grad = None
-
-    def momentum(self) -> list[torch.Tensor]:
-        """The momentum buffers (zeros before the first step)."""
-        return [
-            buffer if (buffer := self.sgd.state.get(p, {}).get("momentum_buffer")) is not None else torch.zeros_like(p)
-            for p in self.theta
-        ]
-
-    @torch.no_grad()
-    def load(self, theta: list[torch.Tensor], momentum: list[torch.Tensor]) -> None:
-        for param, value, buffer in zip(self.theta, theta, momentum):
-            param.copy_(value)
-            self.sgd.state[param]["momentum_buffer"] = buffer.float().clone()
-
-
 @dataclass
 class _InFlight:
     """A round whose average has not been applied yet."""
 
     number: int
     pending: PendingRound
-    pseudo_gradient: list[torch.Tensor]
-    tokens: int
+    pseudo_gradient: dict[str, torch.Tensor]
 
 
 class SwarmPeer:
@@ -126,11 +87,11 @@ class SwarmPeer:
         self.max_steps, self.publish_every_s = max_steps, publish_every_s
         self.names = [name for name, _ in trainer.model.named_parameters()]
         weights = trainer.snapshot()
-        self.outer = OuterOptimizer([weights[n] for n in self.names], run.outer_lr, run.outer_momentum)
-        self.round_start = [t.clone() for t in self.outer.theta]
+        self.outer = OuterOptimizer({n: weights[n] for n in self.names}, run.outer_lr, run.outer_momentum)
+        self.rounds = DelayedOuterStep(self.outer)
         self.round = 0  # outer steps applied
         self._state_lock = threading.Lock()  # guards outer state + round for get_current_state's thread
-        self.averager: SwarmAverager = averager_factory(self.outer.theta, self.shared_state)
+        self.averager: SwarmAverager = averager_factory(list(self.outer.weights.values()), self.shared_state)
         self.bytes_sent = self.bytes_received = 0
         self.last_averaging: float | None = None
         self.tokens_contributed = 0
@@ -143,7 +104,7 @@ class SwarmPeer:
     # ---- state shared with joiners (called from hivemind's background thread) ----
 
     def shared_state(self) -> tuple[dict, list[torch.Tensor]]:
-        """(metadata, tensors) a joiner downloads: theta then the outer momentum, plus round and step."""
+        """(metadata, tensors) a joiner downloads: the global weights then the outer momentum, plus round and step."""
         with self._state_lock:
             metadata = {
                 "format": self.STATE_FORMAT,
@@ -151,13 +112,15 @@ class SwarmPeer:
                 "round": self.round,
                 "step": self.trainer.step,
             }
-            tensors = [t.clone() for t in self.outer.theta] + [m.clone() for m in self.outer.momentum()]
+            state = self.outer.state_dict()  # a copy
+        weights = [state["weights"][n] for n in self.names]
+        buffers = [state["optimizer"]["state"].get(i, {}).get("momentum_buffer") for i in range(len(weights))]
+        tensors = weights + [torch.zeros_like(w) if m is None else m for w, m in zip(weights, buffers)]
         return metadata, tensors
 
     def adopt_state(self, metadata: object, tensors: list[torch.Tensor]) -> bool:
-        """Take a downloaded (or saved) state as our own; False (and a warning) if it does not fit this run.
-
-        The trainer's weights move with theta: they keep the local progress made since the round started."""
+        """Take a downloaded (or saved) state as our own and train from its global weights; False (and a
+        warning) if it does not fit this run. Call before training starts."""
         count = len(self.names)
         if not isinstance(metadata, dict) or metadata.get("format") != self.STATE_FORMAT:
             log.warning("ignoring downloaded state: unknown format")
@@ -165,32 +128,27 @@ class SwarmPeer:
         if metadata.get("run_hash") != self.run_hash:
             log.warning("ignoring downloaded state: it belongs to another run config")
             return False
-        if len(tensors) != 2 * count or any(
-            t.shape != p.shape for t, p in zip(tensors, self.outer.theta + self.outer.theta)
-        ):
+        shapes = [w.shape for w in self.outer.weights.values()] * 2
+        if len(tensors) != 2 * count or any(t.shape != shape for t, shape in zip(tensors, shapes)):
             log.warning("ignoring downloaded state: %d tensors that do not fit the model", len(tensors))
             return False
         if not all(bool(torch.isfinite(t).all()) for t in tensors):
             log.warning("ignoring downloaded state: it has non-finite values")
             return False
-        progress = self._local_progress()
+        optimizer = self.outer.state_dict()["optimizer"]
+        optimizer["state"] = {i: {"momentum_buffer": tensors[count + i].float()} for i in range(count)}
         with self._state_lock:
-            self.outer.load(tensors[:count], tensors[count:])
+            self.outer.load_state_dict({"weights": dict(zip(self.names, tensors[:count])), "optimizer": optimizer})
             self.round = int(metadata.get("round", 0))
             self.trainer.step = max(self.trainer.step, int(metadata.get("step", 0)))
-        self._move_to_theta(progress)
+        self._restart_round_from_global_weights()
         self.status.update(round=self.round, step=self.trainer.step)
         return True
 
-    def _local_progress(self) -> list[torch.Tensor]:
-        """What the trainer has learned since the current round started (weights - round_start)."""
-        weights = self.trainer.snapshot()
-        return [weights[n] - start for start, n in zip(self.round_start, self.names)]
-
-    def _move_to_theta(self, progress: list[torch.Tensor]) -> None:
-        """The one-round-late correction: weights <- theta + local progress; the round restarts from theta."""
-        self.trainer.apply_outer_update({n: t + p for n, t, p in zip(self.names, self.outer.theta, progress)})
-        self.round_start = [t.clone() for t in self.outer.theta]
+    def _restart_round_from_global_weights(self) -> None:
+        """Drop local progress: the trainer and the current round start again from the global weights."""
+        self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
+        self.trainer.apply_outer_update(self.rounds.round_start)
         self._advertise_state()
 
     def _advertise_state(self) -> None:
@@ -201,7 +159,7 @@ class SwarmPeer:
     # ---- on disk, beside the trainer's checkpoints ----
 
     def save(self) -> Path:
-        """The trainer's checkpoint, then the outer state (theta, momentum, round) in OUT/swarm-state.safetensors."""
+        """The trainer's checkpoint, then the outer state (global weights, momentum, round) in OUT/swarm-state.safetensors."""
         path = self.trainer.save(self.trainer.cfg.out)
         metadata, tensors = self.shared_state()
         target = Path(self.trainer.cfg.out) / SWARM_STATE_FILE
@@ -241,8 +199,7 @@ class SwarmPeer:
         loop_start = time.perf_counter()
         try:
             while not (should_stop() or self._should_stop(session_steps)):
-                if self.status.paused.is_set():
-                    self._poll_in_flight()
+                if self.status.paused.is_set():  # the averager keeps serving state meanwhile
                     time.sleep(0.1)
                     continue
                 step_start = time.perf_counter()
@@ -254,10 +211,9 @@ class SwarmPeer:
                 self.tokens_contributed += stats.tokens
                 window_tokens += stats.tokens
                 window_steps += 1
-                self._poll_in_flight()
                 # A round ends after H steps, or later if the previous average is still on its way: the
                 # trainer never waits for the network, a slow round just makes the next one longer.
-                if steps_in_round >= self.inner_steps and self._in_flight is None:
+                if steps_in_round >= self.inner_steps and (self._in_flight is None or self._in_flight.pending.done()):
                     self._end_round()
                     steps_in_round = 0
                 cfg = self.trainer.cfg
@@ -287,39 +243,42 @@ class SwarmPeer:
         return self.trainer.step >= self.trainer.cfg.steps
 
     def _end_round(self) -> None:
-        weights = self.trainer.snapshot()
-        pseudo_gradient = [start - weights[n] for start, n in zip(self.round_start, self.names)]
-        self.round_start = [weights[n] for n in self.names]
-        number = self.round + 1
+        """Apply the previous round's average (one round late), then start averaging this round's update."""
+        pseudo_gradient = self._finish_round()
         tokens, self._tokens_in_round = self._tokens_in_round, 0
         try:
-            pending = self.averager.start_round(pseudo_gradient, tokens=tokens)
-        except ValueError as error:  # a non-finite local update: never share it, skip this round's outer step
-            log.error("round %d: not averaging a bad local update (%s); rewinding to the shared weights", number, error)
-            self.trainer.apply_outer_update(dict(zip(self.names, self.outer.theta)))
-            self.round_start = [t.clone() for t in self.outer.theta]
+            pending = self.averager.start_round([pseudo_gradient[n] for n in self.names], tokens=tokens)
+        except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
+            log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)
+            self._restart_round_from_global_weights()
             return
-        self._in_flight = _InFlight(number, pending, pseudo_gradient, tokens)
+        self._in_flight = _InFlight(self.round + 1, pending, pseudo_gradient)
         self.status.update(averaging_in_flight=True)
 
-    def _poll_in_flight(self) -> None:
-        if self._in_flight is not None and self._in_flight.pending.done():
-            self._finish(self._in_flight, self._in_flight.pending.result())
-
-    def _finish(self, flight: _InFlight, outcome: RoundOutcome) -> None:
-        """Apply a finished round's average (or our own update if alone), keeping the local progress since."""
-        self._in_flight = None
-        average = outcome.averaged if outcome.averaged is not None else flight.pseudo_gradient
-        progress = self._local_progress()
+    def _finish_round(self) -> dict[str, torch.Tensor]:
+        """Outer step with the average of the round in flight (waiting for it if needed; our own update if we
+        averaged alone), keeping the local progress since; returns the pseudo-gradient of the round now ending."""
+        flight, self._in_flight = self._in_flight, None
+        outcome = flight.pending.result() if flight is not None else None
+        previous = None
+        if flight is not None:
+            previous = flight.pseudo_gradient if outcome.averaged is None else dict(zip(self.names, outcome.averaged))
         with self._state_lock:
-            self.outer.step(average)
-            self.round = flight.number
-        self._move_to_theta(progress)
+            weights, pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot(), previous)
+            if previous is not None:
+                self.round += 1
+        self.trainer.apply_outer_update(weights)
+        if flight is not None:
+            self._advertise_state()
+            self._report_round(flight, outcome)
+        return pseudo_gradient
+
+    def _report_round(self, flight: _InFlight, outcome: RoundOutcome) -> None:
         self.bytes_sent += outcome.bytes_sent
         self.bytes_received += outcome.bytes_received
         if outcome.averaged is not None:
             self.last_averaging = time.time()
-        numel = sum(t.numel() for t in self.outer.theta)
+        numel = sum(w.numel() for w in self.outer.weights.values())
         self.status.record_averaging(
             AveragingRecord(
                 round=flight.number,
@@ -331,7 +290,7 @@ class SwarmPeer:
                 dropped_peers=0,
             )
         )
-        self.status.update(round=self.round, averaging_in_flight=False)
+        self.status.update(round=flight.number, averaging_in_flight=False)
         if outcome.averaged is None:
             log.info("round %d: averaged with nobody (%s); continuing alone", flight.number, outcome.error or "no peers")
         else:
@@ -346,16 +305,16 @@ class SwarmPeer:
             )
 
     def weights_fingerprint(self) -> str:
-        """A short digest of the shared weights: peers that applied the same rounds print the same one."""
+        """A short digest of the global weights: peers that applied the same rounds print the same one."""
         digest = hashlib.sha256()
-        for tensor in self.outer.theta:
+        for tensor in self.outer.weights.values():
             digest.update(tensor.numpy().tobytes())
         return digest.hexdigest()[:12]
 
     def _drain(self) -> None:
-        """On the way out, wait for the round in flight (bounded by its timeouts) so its average is kept."""
+        """On the way out, wait for the round in flight (bounded by its timeouts) and apply its average."""
         if self._in_flight is not None:
-            self._finish(self._in_flight, self._in_flight.pending.result())
+            self._finish_round()
 
     # ---- reporting ----
 
