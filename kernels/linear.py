@@ -9,14 +9,15 @@ Every matmul contracts along the last axis of both quantized operands, with one 
 The column scales come from an amax gathered during the row pass (one extra read for the transposed copy).
 The forward keeps X^T in fp8/int8 for the backward, which also halves the saved activation. The master
 weight stays a full-precision nn.Parameter; its two quantized copies are cached and rebuilt only when the
-parameter changes (its version counter moves on every in-place optimizer update), i.e. once per optimizer step
-however many micro-batches run.
+parameter may have changed (after an optimizer step, or when its version counter moves), i.e. once per
+optimizer step however many micro-batches run.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tscale_p2p.kernels.gemm import scaled_mm
 from tscale_p2p.kernels.quantize import QuantFormat, FORMATS, quantize_cols_t, quantize_rows
@@ -29,15 +30,29 @@ def quantize_with_transpose(x: torch.Tensor, fmt: QuantFormat, stochastic: bool 
     return q, s, q_t, s_t
 
 
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+# Fused optimizers (AdamW(fused=True)) update parameters in place without moving their version counter, so
+# every optimizer step, of any optimizer, also invalidates the caches.
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 class QuantizedWeightCache:
-    """The quantized copies of one weight, rebuilt only when the weight tensor changed."""
+    """The quantized copies of one weight, rebuilt when the weight changed: after any optimizer step, or any
+    other in-place update (load_state_dict, an outer update), which moves the tensor's version counter."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._value: tuple | None = None
 
     def get(self, weight: torch.Tensor, fmt: QuantFormat):
-        key = (weight._version, weight.data_ptr(), weight.device, fmt.name)
+        key = (_optimizer_steps, weight._version, weight.data_ptr(), weight.device, fmt.name)
         if key != self._key:
             with torch.no_grad():
                 self._value = quantize_with_transpose(weight.detach(), fmt)

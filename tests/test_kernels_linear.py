@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 from tscale_p2p.errors import UserError  # noqa: E402
 from tscale_p2p.kernels import convert_linears, resolve_precision  # noqa: E402
 from tscale_p2p.kernels.linear import Fp8Linear, Int8Linear, QuantizedLinear  # noqa: E402
+from tscale_p2p.kernels.quantize import quantize_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {"fp8": 0.07, "fp8-e5m2": 0.14, "int8": 0.025}
@@ -69,11 +70,13 @@ def test_stochastic_gradient_rounding_and_frozen_weight():
     assert w.grad is not None and x.grad is not None
 
 
-def test_weight_quantized_once_per_optimizer_step():
+@pytest.mark.parametrize("optimizer_kwargs", [{"fused": True}, {"foreach": True}])
+def test_weight_quantized_once_per_optimizer_step(optimizer_kwargs):
+    """Fused AdamW updates in place without moving the version counter: the cache must still refresh."""
     torch.manual_seed(2)
     w = nn.Parameter(torch.randn(32, 48, device=DEVICE))
     lin = Int8Linear(w)
-    opt = torch.optim.AdamW([w], lr=1e-2)
+    opt = torch.optim.AdamW([w], lr=1e-2, **optimizer_kwargs)
     x = torch.randn(16, 48, device=DEVICE)
     lin(x).sum().backward()
     first = lin._cache.get(w, lin.fmt)
@@ -82,7 +85,10 @@ def test_weight_quantized_once_per_optimizer_step():
     opt.step()
     second = lin._cache.get(w, lin.fmt)
     assert second is not first
-    assert not torch.equal(second[0], first[0])
+    assert torch.equal(second[0], quantize_rows(w.detach(), "int8")[0])
+    with torch.no_grad():
+        w.mul_(0.5)  # any other in-place update, e.g. an outer optimizer's
+    assert lin._cache.get(w, lin.fmt) is not second
 
 
 def test_autocast_output_is_bf16():
