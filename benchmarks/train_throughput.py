@@ -52,18 +52,24 @@ def stdlib_bytes(limit: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
 
 
-def build(cfg: ModelConfig, variant: str, seed: int, compile_model: bool):
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(cfg: ModelConfig, variant: str, seed: int, compile_model: bool, device: torch.device):
     torch.manual_seed(seed)
-    with torch.device("cuda"):  # initialise on the GPU: a 1.5B model takes ~10 s to initialise on the CPU
+    with device:  # initialise on the GPU: a 1.5B model takes ~10 s to initialise on the CPU
         model = Transformer(cfg)
     precision, kwargs = VARIANTS[variant]
     convert_linears(model, precision, **kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")
     return model, (torch.compile(model) if compile_model else model), opt
 
 
 def loss_of(fwd, x, y) -> torch.Tensor:
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         logits = fwd(x)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
@@ -77,38 +83,40 @@ def step(fwd, opt, x, y) -> torch.Tensor:
 
 
 def throughput(cfg: ModelConfig, variant: str, batch: int, steps: int, warmup: int, compile_model: bool,
-               peak_tflops: float) -> dict:
-    model, fwd, opt = build(cfg, variant, 0, compile_model)
+               peak_tflops: float, device: torch.device) -> dict:
+    model, fwd, opt = build(cfg, variant, 0, compile_model, device)
     t = cfg.context
-    x = torch.randint(0, cfg.vocab_size, (batch, t), device="cuda")
-    y = torch.randint(0, cfg.vocab_size, (batch, t), device="cuda")
+    x = torch.randint(0, cfg.vocab_size, (batch, t), device=device)
+    y = torch.randint(0, cfg.vocab_size, (batch, t), device=device)
     start = time.perf_counter()
     for _ in range(warmup):  # compilation and autotuning happen here
         step(fwd, opt, x, y)
-    torch.cuda.synchronize()
+    sync(device)
     warm_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(steps):
         loss = step(fwd, opt, x, y)
-    torch.cuda.synchronize()
+    sync(device)
     elapsed = time.perf_counter() - start
     tokens_s = steps * batch * t / elapsed
     mfu = cfg.flops_per_token(t) * tokens_s / (peak_tflops * 1e12)
     result = {"variant": variant, "dims": cfg.dims, "params": cfg.parameter_count(), "batch": batch,
               "tokens_per_s": tokens_s, "mfu": mfu, "step_ms": 1e3 * elapsed / steps, "warmup_s": warm_s,
-              "loss": loss.item(), "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+              "loss": loss.item()}
     del model, fwd, opt
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if device.type == "cuda":
+        result["max_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     return result
 
 
 def parity(cfg: ModelConfig, variant: str, batch: int, steps: int, data: torch.Tensor, compile_model: bool,
-           eval_batches: int) -> dict:
-    model, fwd, opt = build(cfg, variant, 0, compile_model)
+           eval_batches: int, device: torch.device) -> dict:
+    model, fwd, opt = build(cfg, variant, 0, compile_model, device)
     t = cfg.context
     split = int(0.95 * len(data))
-    train, val = data[:split].cuda(), data[split:].cuda()
+    train, val = data[:split].to(device), data[split:].to(device)
     gen = torch.Generator().manual_seed(1)  # same batches for every variant
     lr_peak, warm = 1e-3, max(1, steps // 10)
     curve = []
@@ -117,21 +125,21 @@ def parity(cfg: ModelConfig, variant: str, batch: int, steps: int, data: torch.T
         lr = lr_peak * min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / steps)))
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(0, len(train) - t - 1, (batch,), generator=gen).cuda()
-        idx = starts[:, None] + torch.arange(t + 1, device="cuda")
+        starts = torch.randint(0, len(train) - t - 1, (batch,), generator=gen).to(device)
+        idx = starts[:, None] + torch.arange(t + 1, device=device)
         chunk = train[idx]
         loss = step(fwd, opt, chunk[:, :-1], chunk[:, 1:])
         if i % 50 == 0 or i == steps - 1:
             curve.append((i, loss.item()))
-    torch.cuda.synchronize()
+    sync(device)
     train_s = time.perf_counter() - start
     model.eval()
     losses = []
     with torch.no_grad():
         for j in range(eval_batches):
-            offs = torch.arange(batch, device="cuda") * (t + 1) + j * batch * (t + 1)
+            offs = torch.arange(batch, device=device) * (t + 1) + j * batch * (t + 1)
             offs = offs % (len(val) - t - 1)
-            chunk = val[offs[:, None] + torch.arange(t + 1, device="cuda")]
+            chunk = val[offs[:, None] + torch.arange(t + 1, device=device)]
             losses.append(loss_of(fwd, chunk[:, :-1], chunk[:, 1:]).item())
     return {"variant": variant, "dims": cfg.dims, "steps": steps, "batch": batch, "val_loss": sum(losses) / len(losses),
             "train_curve": curve, "train_s": train_s}
@@ -149,24 +157,29 @@ def main() -> None:
     p.add_argument("--parity", action="store_true", help="train --steps on stdlib bytes; report final val loss")
     p.add_argument("--data-bytes", type=int, default=40_000_000)
     p.add_argument("--eval-batches", type=int, default=20)
+    p.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run (fp8/int8 then need "
+                                                        "TRITON_INTERPRET=1 and are very slow)")
     p.add_argument("--json", help="append each result as one JSON line to this file")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/train_throughput.py needs a CUDA GPU")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks/train_throughput.py: no CUDA GPU (use --device cpu for a smoke run)")
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = ModelConfig.from_dims(args.dims)
     variants = args.variants.split(",")
     data = stdlib_bytes(args.data_bytes) if args.parity else None
-    print(f"# {torch.cuda.get_device_name()}, {cfg.dims}, {cfg.parameter_count() / 1e6:.0f}M params, batch "
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# {name}, {cfg.dims}, {cfg.parameter_count() / 1e6:.0f}M params, batch "
           f"{args.batch} x {cfg.context}, compile={not args.no_compile}", flush=True)
     results = []
     for variant in variants:
         try:
             if args.parity:
-                r = parity(cfg, variant, args.batch, args.steps, data, not args.no_compile, args.eval_batches)
+                r = parity(cfg, variant, args.batch, args.steps, data, not args.no_compile, args.eval_batches,
+                           device)
             else:
                 r = throughput(cfg, variant, args.batch, args.steps, args.warmup, not args.no_compile,
-                               args.peak_tflops)
+                               args.peak_tflops, device)
         except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others' numbers)
             print(f"{variant}: FAILED {type(e).__name__}: {e}", flush=True)
             continue
@@ -182,7 +195,7 @@ def main() -> None:
             rel = f"{(r['val_loss'] / base['val_loss'] - 1) * 100:+.2f}%" if base else "-"
             print(f"| {r['variant']} | {r['steps']} | {r['val_loss']:.4f} | {rel} |")
     else:
-        print("\n| variant | dims | tokens/s | MFU (bf16 peak) | step ms | vs bf16 compiled |\n| --- | --- | --- | --- | --- | --- |")
+        print("\n| variant | dims | tokens/s | MFU (bf16 peak) | step ms | vs bf16 (same compile setting) |\n| --- | --- | --- | --- | --- | --- |")
         for r in results:
             rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
             print(f"| {r['variant']} | {r['dims']} | {r['tokens_per_s']:.0f} | {r['mfu'] * 100:.1f}% | "
