@@ -215,9 +215,10 @@ async def test_this_peer_is_highlighted_and_rows_show_the_record_fields():
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         table = app.query_one(PeersTable)
-        own, bob = table.get_row(SELF_ID), table.get_row(PEERS[2].peer_id)
+        own, alice, bob = (table.get_row(p.peer_id) for p in (PEERS[0], PEERS[1], PEERS[2]))
         assert own[0].style and own[0].style == own[-1].style
-        assert not bob[0].style
+        assert not alice[0].style
+        assert bob[0].style and bob[0].style != own[0].style  # last seen 47 s ago: greyed
         assert [cell.plain for cell in bob] == ["…Bob9q", "bob-laptop", "relay", "cpu fp32", "812", "3.1M", "2.902", "40", "47s"]
         assert app.query_one("#peers").border_title == "peers · 4 online"
 

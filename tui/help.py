@@ -20,8 +20,8 @@ HELP = """\
 trained by the peers online.
 
 **Peers**: one row per peer, this one highlighted. *link*: `direct`, or through a libp2p `relay` (behind
-NAT). *tokens*: tokens trained since the peer joined. *seen*: age of its last record; a peer silent for
-a minute drops off.
+NAT). *tokens*: tokens trained since the peer joined. *seen*: age of its last record (greyed after 20 s:
+the peer has probably left; its record expires after a minute).
 
 **This peer**: local step, training loss, tokens/s, peak GPU memory, precision, whether master weights and
 optimizer state live in CPU memory (*offload*), and the time to the next averaging round.

@@ -87,12 +87,13 @@ WIDE_COLUMNS = (
     _ROUND, _STEP, _SENT, _RECEIVED, _VERSION, _SEEN,
 )  # fmt: skip
 WIDE_FROM = 120  # table width (cells) at which the wide column set fits
+STALE_AFTER_S = 20.0  # peers republish every few seconds: a record this old is probably from a peer gone
 
 
 class PeersTable(DataTable):
     """Live peers, re-sorted on every update. Click a header (or press `s`) to sort; again to reverse."""
 
-    COMPONENT_CLASSES: ClassVar[set[str]] = DataTable.COMPONENT_CLASSES | {"peers-table--self"}
+    COMPONENT_CLASSES: ClassVar[set[str]] = DataTable.COMPONENT_CLASSES | {"peers-table--self", "peers-table--stale"}
 
     def __init__(self, **kwargs) -> None:
         # No cursor: it would hide the highlight of this peer's row, and rows have no action to select.
@@ -153,8 +154,12 @@ class PeersTable(DataTable):
                 justify = "right" if column.numeric else "left"
                 self.add_column(Text(column.label + arrow, justify=justify), key=column.key)
         self_style = self.get_component_rich_style("peers-table--self", partial=True)
+        stale_style = self.get_component_rich_style("peers-table--stale", partial=True)
         for record in self.sorted_records():
-            style = self_style if record.peer_id == self.self_peer_id else ""
+            if record.peer_id == self.self_peer_id:
+                style = self_style
+            else:
+                style = stale_style if self.now - record.updated_at > STALE_AFTER_S else ""
             cells = [
                 Text(column.cell(record, self.now), style=style, justify="right" if column.numeric else "left")
                 for column in self.columns_shown
