@@ -6,7 +6,8 @@ layout the tensor cores want):
 
 * `quantize_rows(x)`: q has x's shape [M, K]; one scale per row (`group=None`), or one per row and
   128-element tile along K (`group=128`, scale shape [M, ceil(K/128)]). Optionally also returns the
-  per-column amax, gathered with atomics in the same pass, for the transposed copy below.
+  per-column amax, gathered in the same pass (one partial row per program, reduced by torch), for the
+  transposed copy below.
 * `quantize_cols_t(x)`: q is x transposed, [K, M]; one scale per column of x (from the column amax of a
   previous `quantize_rows` pass), or one per column and 128-row tile (`group=128`, computed in this pass).
 
