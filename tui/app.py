@@ -221,8 +221,10 @@ def run_dashboard(source: MetricsSource) -> None:
 def run_dashboard_while(train: Callable[[], int], status: LocalStatus, run_id: str, initial_peers: Sequence[str] = ()) -> int:
     """Run `train` (e.g. a `join`) in a background thread with the dashboard in front; return its exit code.
 
-    `q` (or Ctrl+C) sets `status.stop_requested`: the training thread saves a checkpoint and leaves while
-    its closing log lines go to the terminal again. An exception in `train` is raised here.
+    Closing the dashboard (`q`, Ctrl+C) sets `status.stop_requested`: the peer finishes its round in flight,
+    saves a checkpoint and leaves, its closing log lines on the terminal again; Ctrl+C meanwhile quits at
+    once, as a second Ctrl+C does in `train` (checkpoints are written atomically). An exception in
+    `train` is raised here.
     """
     outcome: dict[str, object] = {}
 
@@ -232,7 +234,8 @@ def run_dashboard_while(train: Callable[[], int], status: LocalStatus, run_id: s
         except BaseException as error:  # handed to the main thread, which reports it
             outcome["error"] = error
 
-    thread = threading.Thread(target=target, name="tscale-peer-training")
+    # A daemon thread, so that an impatient Ctrl+C is not held up by the checkpoint it interrupts.
+    thread = threading.Thread(target=target, name="tscale-peer-training", daemon=True)
     source = SwarmMetricsSource(run_id, initial_peers, local_status=status, is_training=thread.is_alive)
     # Signals reach only the main thread: SIGTERM asks the training thread to checkpoint and leave (the
     # dashboard closes when it has), as `join`'s own handler does when it runs in the main thread.
@@ -240,12 +243,12 @@ def run_dashboard_while(train: Callable[[], int], status: LocalStatus, run_id: s
     thread.start()
     try:
         run_dashboard(source)
-    finally:
-        try:
-            thread.join()
-        except KeyboardInterrupt:  # Ctrl+C after the dashboard closed: same as q
+        if thread.is_alive():
             status.stop_requested.set()
-            thread.join()
+            log.info("leaving the swarm: finishing the round in flight and saving a checkpoint")
+        thread.join()
+    finally:
+        status.stop_requested.set()
         signal.signal(signal.SIGTERM, previous)
     if "error" in outcome:
         raise outcome["error"]
