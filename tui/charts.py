@@ -16,7 +16,7 @@ from tscale_p2p.tui import format as fmt
 class Chart(Horizontal):
     """A titled sparkline of the last `history` samples, with the latest value beside the title."""
 
-    def __init__(self, title: str, show_value: Callable[[float], str], history: int = 600, **kwargs) -> None:
+    def __init__(self, title: str, show_value: Callable[[float], str], history: int = 3600, **kwargs) -> None:
         super().__init__(**kwargs)
         self.title, self.show_value = title, show_value
         self.samples: deque[float] = deque(maxlen=history)

@@ -87,6 +87,7 @@ WIDE_COLUMNS = (
     _ROUND, _STEP, _SENT, _RECEIVED, _VERSION, _SEEN,
 )  # fmt: skip
 WIDE_FROM = 120  # table width (cells) at which the wide column set fits
+DEFAULT_SORT = ("tokens_per_s", True)  # the busiest peers first
 STALE_AFTER_S = 20.0  # peers republish every few seconds: a record this old is probably from a peer gone
 
 
@@ -102,8 +103,7 @@ class PeersTable(DataTable):
         self.now = 0.0
         self.self_peer_id: str | None = None
         self.columns_shown: tuple[PeerColumn, ...] = COMPACT_COLUMNS
-        self.sort_column = "tokens_per_s"
-        self.sort_reverse = True
+        self.sort_column, self.sort_reverse = DEFAULT_SORT
 
     def show(self, records: list[PeerRecord], now: float, self_peer_id: str | None) -> None:
         self.records, self.now, self.self_peer_id = list(records), now, self_peer_id
@@ -137,7 +137,7 @@ class PeersTable(DataTable):
         if wanted is not self.columns_shown:
             self.columns_shown = wanted
             if self.sort_column not in {c.key for c in wanted}:
-                self.sort_column, self.sort_reverse = "tokens_per_s", True
+                self.sort_column, self.sort_reverse = DEFAULT_SORT
             self._fill(columns=True)
 
     def on_mount(self) -> None:
