@@ -105,6 +105,7 @@ class Dashboard(App[None]):
         local_panel = self.query_one(LocalPanel)
         if self.status is None:
             local_panel.show_watching()
+            self.query_one("#loss-chart", Chart).title = "mean loss"  # of the peers, as nothing trains here
         else:
             local_panel.show(self.status)
             if self.status.loss is not None:
