@@ -72,11 +72,12 @@ def child(spec: dict) -> dict:
         t0 = time.perf_counter()
         tokens = 0
         for _ in range(spec["steps"]):
-            tokens += trainer.local_step().tokens
+            stats = trainer.local_step()
+            tokens += stats.tokens
         trainer.synchronize()
         seconds = time.perf_counter() - t0
         result.update(fits=True, tokens_per_s=tokens / seconds, step_s=seconds / spec["steps"],
-                      loss=trainer.local_step().loss.item())
+                      loss=stats.loss.item())
         if timings:
             now = trainer.optimizer.timings
             result.update({f"{k}_s": (now[k] - timings[k]) / spec["steps"] for k in timings})
@@ -131,6 +132,11 @@ def main() -> None:
     parser.add_argument("--delays", default="1", help="offload delays to measure, e.g. 0,1")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
     parser.add_argument("--tokens-per-step", type=int, default=65536)
+    # 3B at context 2048: 8 sequences with checkpointing is ~18 GiB under offload (16 would pass 24 GiB:
+    # the fp32 residual stream kept at every block is 0.4 GB per 32k tokens); without checkpointing and
+    # with 48 GB of AdamW state, 4 sequences is what fits the uncapped H200
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch under offload")
+    parser.add_argument("--plain-micro-batch", type=int, default=4, help="sequences per micro-batch without offload")
     parser.add_argument("--no-compile", action="store_true", help="eager mode (faster start, slower steps)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -168,15 +174,15 @@ def main() -> None:
 
     rows = []
     for size in plain_sizes:  # memory fit only: eager, short
-        r = measure(spec(size, "none", 0, True, budget, 4, False), timeout)
+        r = measure(spec(size, "none", 0, True, budget, args.plain_micro_batch, False), timeout)
         rows.append((size, f"plain, ckpt, cap {budget or '-'}", r, None))
         print(f"  {size} plain in budget: {r.get('fits')} {r.get('why', '')}", flush=True)
     for size in offload_sizes:
-        base = measure(spec(size, "none", 0, False, None, 8, not args.no_compile), timeout)
+        base = measure(spec(size, "none", 0, False, None, args.plain_micro_batch, not args.no_compile), timeout)
         rows.append((size, "plain, uncapped", base, None))
         print(f"  {size} plain uncapped: {base.get('tokens_per_s', 0):.0f} tok/s {base.get('why', '')}", flush=True)
         for delay in (int(d) for d in args.delays.split(",")):
-            r = measure(spec(size, "optimizer", delay, True, budget, 16, not args.no_compile), timeout)
+            r = measure(spec(size, "optimizer", delay, True, budget, args.micro_batch, not args.no_compile), timeout)
             rows.append((size, f"offload d{delay}, ckpt, cap {budget or '-'}", r, base))
             print(f"  {size} offload delay {delay}: {r.get('tokens_per_s', 0):.0f} tok/s {r.get('why', '')}", flush=True)
 

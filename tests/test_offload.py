@@ -3,6 +3,9 @@
 On a CPU "device" the working weights are fp32 copies, so an offloaded run must match an ordinary one bit for bit.
 """
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,6 +125,27 @@ def test_masters_stay_fp32_while_the_device_holds_bf16():
     qkv = "blocks.0.attn.qkv.weight"
     assert params[qkv].dtype == torch.bfloat16 and not torch.equal(params[qkv].float(), masters[qkv])
     optimizer.close()
+
+
+EXIT_MID_UPDATE = """
+import sys, torch
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.data import load_corpus
+from tscale_p2p.model import ModelConfig
+from tscale_p2p.trainer import Trainer
+cfg = TrainConfig(data=sys.argv[1], device="cpu", batch_size=8, offload="optimizer", offload_delay=1)
+trainer = Trainer(ModelConfig.from_dims("e128h4d4w32"), cfg, load_corpus(sys.argv[1]), torch.device("cpu"))
+for _ in range(4):
+    trainer.local_step()
+"""  # and exit while the host threads are still updating
+
+
+def test_exit_while_the_host_threads_work_is_clean(corpus):
+    """The host threads are stopped at interpreter exit: one still inside an OpenMP parallel region used to
+    abort the process ("terminate called without an active exception")."""
+    result = subprocess.run([sys.executable, "-c", EXIT_MID_UPDATE, str(corpus)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr[-2000:]
 
 
 def test_too_little_host_ram_is_refused_with_the_amount(corpus, tmp_path, capsys):

@@ -33,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -121,6 +122,15 @@ class _Unit:
     device_event: torch.cuda.Event | None = None  # upload the compute stream has yet to wait for
 
 
+def _stop_threads(queues: Sequence[queue.Queue], threads: Sequence[threading.Thread]) -> None:
+    """Let the host threads finish their jobs and end, in pipeline order (the gradient thread still feeds
+    the update thread). Also run at interpreter exit, where a thread still working inside an OpenMP team
+    makes the process abort ("terminate called without an active exception")."""
+    for jobs, thread in zip(queues, threads):
+        jobs.put(None)
+        thread.join(timeout=60)
+
+
 def _pinned_views(shapes: Sequence[torch.Size], dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
     """Views into one flat host buffer: one pinned allocation per unit, since pinned allocations are rounded
     up to a power of two each."""
@@ -165,26 +175,26 @@ class OffloadedAdamW:
 
         self._units: list[_Unit] = []
         self._master_of: dict[str, torch.Tensor] = {}
-        by_master: dict[torch.Tensor, _Param] = {}
         seen: set[int] = set()
         for modules in units:
             params = [p for m in modules for p in m.parameters() if id(p) not in seen]
             seen.update(id(p) for p in params)
-            records = []
-            for dtype in {working_dtype(names[id(p)], p) for p in params}:
-                chosen = [p for p in params if working_dtype(names[id(p)], p) == dtype]
+            dtypes = {id(p): working_dtype(names[id(p)], p) for p in params}
+            adopted = {}
+            for dtype in sorted(set(dtypes.values()), key=str):  # one flat host buffer per dtype and purpose
+                chosen = [p for p in params if dtypes[id(p)] == dtype]
                 shapes = [p.shape for p in chosen]
                 staging = _pinned_views(shapes, dtype, pin)
                 slots = list(zip(*(_pinned_views(shapes, dtype, pin) for _ in range(self._copies))))
                 for p, stage, slot in zip(chosen, staging, slots):
-                    records.append(self._adopt(p, dtype, stage, list(slot)))
-            unit = _Unit(modules=modules, params=records)
+                    adopted[id(p)] = self._adopt(p, dtype, stage, list(slot))
+            # model order, so gradient clipping sums the norms exactly as an ordinary run does
+            unit = _Unit(modules=modules, params=[adopted[id(p)] for p in params])
             unit.slot_versions = [0] + [-1] * delay  # version 0, the initial weights, is on the device
             unit.slot_events = [None] * self._copies
             self._units.append(unit)
-            for record in records:
+            for record in unit.params:
                 self._master_of[names[id(record.working)]] = record.master
-                by_master[record.master] = record
         missing = [name for name, p in model.named_parameters() if id(p) not in seen]
         if missing:
             raise ValueError(f"parameters outside every unit: {missing[:3]}")
@@ -229,6 +239,7 @@ class OffloadedAdamW:
         ]
         for thread in self._threads:
             thread.start()
+        self._stop_threads = weakref.finalize(self, _stop_threads, (self._grad_jobs, self._update_jobs), self._threads)
 
         self._hooks = []
         for index, unit in enumerate(self._units):
@@ -322,10 +333,7 @@ class OffloadedAdamW:
         self.wait()
         for hook in self._hooks:
             hook.remove()
-        self._grad_jobs.put(None)
-        self._update_jobs.put(None)
-        for thread in self._threads:
-            thread.join()
+        self._stop_threads()
 
     # --- the device side: hooks ---------------------------------------------------------------------
 
