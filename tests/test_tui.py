@@ -306,30 +306,26 @@ def test_logging_goes_to_the_pane_not_the_terminal_while_the_dashboard_runs():
     root = logging.getLogger()
     terminal = logging.StreamHandler(sys.stderr)
     root.addHandler(terminal)
-    source = SwarmMetricsSourceLogs()
+    source = SwarmMetricsSource("demo")  # watching only: it keeps its own lines (and is not connected yet)
     try:
         with logging_into(source):
             assert terminal not in root.handlers
-            logging.getLogger("tscale_p2p.test").warning("peer …Bob9q sent NaN")
+            logging.getLogger("hivemind.test").warning("peer …Bob9q sent NaN")
         assert terminal in root.handlers
-        assert source.handler not in root.handlers
+        logging.getLogger("hivemind.test").warning("after the dashboard closed")
     finally:
         root.removeHandler(terminal)
-    assert any(" WARN" in line and "peer …Bob9q sent NaN" in line for line in source.log_lines())
+    lines = source.log_lines()
+    assert len(lines) == 1 and " WARN" in lines[0] and "peer …Bob9q sent NaN" in lines[0]
 
 
-class SwarmMetricsSourceLogs(FakeSource):
-    """A fake whose log lines come from `logging`, as a watch-only dashboard's do."""
-
-    def __init__(self) -> None:
-        super().__init__(training=False)
-        self.handler = LocalStatus().log_handler()
-
-    def log_handler(self) -> logging.Handler:
-        return self.handler
-
-    def log_lines(self):
-        return self.handler.status.snapshot().log_lines
+def test_a_training_peer_s_pane_takes_other_libraries_lines_once():
+    status = LocalStatus()
+    handler = SwarmMetricsSource("demo", local_status=status).log_handler()
+    for name in ("hivemind.averaging", "tscale_p2p.peers.swarm"):
+        handler.handle(logging.LogRecord(name, logging.WARNING, __file__, 1, f"from {name}", None, None))
+    # `join` copies tscale_p2p's own records into LocalStatus itself; the dashboard adds the rest.
+    assert [line.split(" ", 2)[2] for line in status.snapshot().log_lines] == ["from hivemind.averaging"]
 
 
 def snapshot_run_before(local_refreshes: int):
