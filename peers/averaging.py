@@ -10,10 +10,11 @@ One round, seen from a peer (all of it in the averager's child process, after hi
    tensor of the expected shape, is not finite, carries a non-positive weight, or has a norm above
    `max_norm_ratio` times the reducer's own part. Weights are the tokens each peer processed. Senders check
    the averages they get back the same way (against the part they sent).
-3. **Return, with error feedback too.** hivemind would send every sender `mean - its own part`, compressed
-   again, which differs per sender. Instead the reducer packs `mean + reducer_residual` once, keeps what did
-   not fit in its own residual for that span, and sends the same bytes to everyone: the return trip is
-   ~1 bit per value as well, and every peer of the group decodes the very same average.
+3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which
+   differs per sender. Instead the reducer packs the mean once and sends the same bytes to everyone: the
+   return trip is ~1 bit per value as well, and every peer of the group decodes the very same average.
+   Optionally (`reducer_error_feedback=True`) the reducer keeps what did not fit in a residual for that span
+   and adds it next time; measured, that hurt convergence, so it is off by default (benchmarks/RESULTS.md).
 
 A span whose reducer fails or sends something invalid contributes zero for that round (identically on every
 peer that lost it); if the whole round fails, the sender's residual is rolled back, so nothing is lost.
@@ -52,17 +53,17 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.dht import DHT
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
-from tscale_p2p.kernels.onebit import error_feedback_pack, unpack
+from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
 from tscale_p2p.peers.codec import ONEBIT_COMPRESSION_TYPE, OneBitCodec
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,10 @@ class SwarmAverager(DecentralizedAverager):
       groups as incorrect for this use, so only set it when it is at least the swarm size
     :param codec: the 1-bit codec (its block size travels on the wire)
     :param max_norm_ratio: a contribution whose part norm exceeds this multiple of the reducer's own is dropped
+    :param sender_error_feedback: keep what this peer's 1-bit message could not carry and add it next round
+    :param reducer_error_feedback: the same for the averages this peer sends back for its span. Off by
+      default: on a small DiLoCo problem it cost +22% validation loss, while sender-only feedback with a plain
+      1-bit return trip stayed within 1% of uncompressed averaging (benchmarks/RESULTS.md)
     :param state_source: called (in this process) when a joiner downloads state: returns (metadata, tensors);
       state sharing is on exactly when this is given
     :param kwargs: passed to `hivemind.averaging.DecentralizedAverager` (e.g. client_mode, bandwidth)
@@ -160,6 +165,8 @@ class SwarmAverager(DecentralizedAverager):
         target_group_size: Optional[int] = None,
         codec: Optional[OneBitCodec] = None,
         max_norm_ratio: float = 100.0,
+        sender_error_feedback: bool = True,
+        reducer_error_feedback: bool = False,
         state_source: Optional[Callable[[], tuple[Any, Sequence[torch.Tensor]]]] = None,
         start: bool = True,
         **kwargs,
@@ -173,6 +180,7 @@ class SwarmAverager(DecentralizedAverager):
         if (part_size_bytes * 8) % self.codec.block_size:  # parts must hold whole blocks (see OneBitCodec)
             raise ValueError(f"part_size_bytes={part_size_bytes} does not hold a whole number of blocks")
         self.round_timeout, self.max_norm_ratio = round_timeout, max_norm_ratio
+        self.sender_error_feedback, self.reducer_error_feedback = sender_error_feedback, reducer_error_feedback
         self._state_source = state_source
 
         sizes = [t.numel() for t in template]
@@ -289,7 +297,7 @@ class SwarmAverager(DecentralizedAverager):
                 group_id=group_id,
                 ordered_peer_ids=group_info.peer_ids,
                 codec=self.codec,
-                reducer_residual=self._reducer_residual,
+                reducer_residual=self._reducer_residual if self.reducer_error_feedback else None,
                 max_norm_ratio=self.max_norm_ratio,
                 traffic=self._traffic,
                 **kwargs,
@@ -311,12 +319,17 @@ class SwarmAverager(DecentralizedAverager):
         sent = torch.empty_like(self._flat)
         block = self.codec.block_size
         for tensor, residual, out in zip(tensors, self._split(self._sender_residual), self._split(sent)):
-            signs, scales = error_feedback_pack(tensor, residual, block)
+            if self.sender_error_feedback:
+                signs, scales = error_feedback_pack(tensor, residual, block)
+            else:
+                signs, scales = pack(tensor, block)
             out.copy_(unpack(signs, scales, tensor.numel(), block).view(tensor.shape))
         return self._split(sent)
 
     def _undo_error_feedback(self, tensors: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> None:
         # The round failed, so nothing was sent: restore the residual to its value before packing.
+        if not self.sender_error_feedback:
+            return
         for tensor, residual, out in zip(tensors, self._split(self._sender_residual), sent):
             residual.add_(out).sub_(tensor)
 
@@ -331,14 +344,15 @@ class _OneBitAllReduceRunner(AllReduceRunner):
 
     Outputs are the averaged values themselves (hivemind's runner yields deltas); a failed reducer's span is
     zero. `tensors` must be views of one flat buffer: a part's storage offset is then its position in the
-    model, which indexes the reducer residual whichever span this peer reduces in a round.
+    model, which indexes the reducer residual (None: no reducer error feedback) whichever span this peer
+    reduces in a round.
     """
 
     def __init__(
         self,
         *,
         codec: OneBitCodec,
-        reducer_residual: torch.Tensor,
+        reducer_residual: Optional[torch.Tensor],
         max_norm_ratio: float,
         traffic: torch.Tensor,
         **kwargs,
@@ -398,12 +412,17 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         return self._replies[part_index]
 
     def _compress_reduced(self, part_index: int, averaged: torch.Tensor) -> tuple[runtime_pb2.Tensor, torch.Tensor]:
-        start = self.parts_for_local_averaging[part_index].storage_offset()
-        residual = self.reducer_residual[start : start + averaged.numel()]
-        message = self.codec.compress_with_residual(averaged, residual)
-        if not bool(torch.isfinite(residual).all()):
-            residual.zero_()  # never let one overflow poison this span for all later rounds
+        if not bool(torch.isfinite(averaged).all()):
             raise AllreduceException(f"the average of part {part_index} overflowed")
+        if self.reducer_residual is None:
+            message = self.codec.compress(averaged, info=None)
+        else:
+            start = self.parts_for_local_averaging[part_index].storage_offset()
+            residual = self.reducer_residual[start : start + averaged.numel()]
+            message = self.codec.compress_with_residual(averaged, residual)
+            if not bool(torch.isfinite(residual).all()):
+                residual.zero_()  # never let one overflow poison this span for all later rounds
+                raise AllreduceException(f"the average of part {part_index} overflowed")
         return message, self.codec.extract(message)
 
     # -- sender side --
