@@ -50,11 +50,12 @@ def train(out: Path, corpus: Path, *extra: str, steps: int = 6) -> int:
                  *TINY, *extra])
 
 
-@pytest.mark.parametrize("grad_accum", ["1", "3"])
-def test_offloaded_run_matches_an_ordinary_run(corpus, tmp_path, grad_accum):
+@pytest.mark.parametrize("grad_accum, accumulate", [("1", "device"), ("3", "device"), ("3", "host")])
+def test_offloaded_run_matches_an_ordinary_run(corpus, tmp_path, grad_accum, accumulate):
+    """Gradients summed over micro-batches on the device, or each micro-batch's sent and summed on the host."""
     plain, offloaded = tmp_path / "plain", tmp_path / "offloaded"
     assert train(plain, corpus, "--grad-accum", grad_accum) == 0
-    assert train(offloaded, corpus, "--grad-accum", grad_accum, *OFFLOAD) == 0
+    assert train(offloaded, corpus, "--grad-accum", grad_accum, *OFFLOAD, "--offload-accumulate", accumulate) == 0
     assert same(weights(plain), weights(offloaded))
     a, b = load_checkpoint(find_latest(plain)), load_checkpoint(find_latest(offloaded))
     assert a.optimizer_state["state"].keys() == b.optimizer_state["state"].keys()
@@ -166,6 +167,7 @@ def test_host_bytes_per_parameter():
 
 
 @pytest.mark.parametrize("value, fragment", [(["--offload", "params2"], "offload"), (["--offload-delay", "2"], "offload-delay"),
+                                             (["--offload-accumulate", "gpu"], "offload-accumulate"),
                                              (["--gpu-memory-limit", "0"], "gpu-memory-limit")])
 def test_bad_offload_flags(corpus, tmp_path, capsys, value, fragment):
     assert main(["train", "--data", str(corpus), "--out", str(tmp_path / "o"), *TINY, *value]) == 2

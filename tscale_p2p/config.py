@@ -20,6 +20,7 @@ else:  # pragma: no cover - Python 3.10
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp8", "int8")
 OFFLOAD_MODES = ("none", "optimizer")
+ACCUMULATE_ON = ("device", "host")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "wsd")
 
@@ -42,6 +43,7 @@ class TrainConfig:
     compile: bool = field(default=True, metadata={"help": "torch.compile the model on CUDA"})
     offload: str = field(default="none", metadata={"help": "none, or optimizer: fp32 master weights and AdamW state in host RAM, the CPU runs the optimizer, the GPU keeps only working (bf16) weights"})
     offload_delay: int = field(default=0, metadata={"help": "with --offload: apply each update this many steps late (0 or 1; 1 as in TScale hides the CPU optimizer behind a whole step)"})
+    offload_accumulate: str = field(default="device", metadata={"help": "with --offload and --grad-accum: sum micro-batch gradients on the device (bf16, +2 bytes/param of GPU memory, one transfer per step) or on the host (fp32, a transfer and host pass per micro-batch)"})
     activation_checkpointing: bool = field(default=False, metadata={"help": "recompute each block in backward instead of keeping its activations"})
     gpu_memory_limit: float | None = field(default=None, metadata={"help": "cap this process's GPU memory at this many GiB, like a smaller card"})
     steps: int = field(default=2000, metadata={"help": "optimizer steps to train for"})
@@ -73,6 +75,7 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         _choice("schedule", self.schedule, LR_SCHEDULES)
         _choice("offload", self.offload, OFFLOAD_MODES)
+        _choice("offload-accumulate", self.offload_accumulate, ACCUMULATE_ON)
         if self.offload_delay not in (0, 1):
             raise UserError(f"offload-delay must be 0 or 1, got {self.offload_delay}")
         if self.gpu_memory_limit is not None and not self.gpu_memory_limit > 0:

@@ -15,6 +15,9 @@ copying them in from their upload slot on the upload stream, and prefetches ever
 In backward each parameter's gradient, as soon as it is accumulated, is copied to the staging buffer on the
 gradient stream (a post-accumulate-grad hook) and its GPU memory is released.
 
+With gradient accumulation the gradients either stay on the device until the step's last micro-batch
+(`device_passes`) or leave after every micro-batch and are summed on the host in fp32.
+
 Seen from the host: the gradient thread adds the staged gradients into an fp32 accumulator; `step()` hands it
 to the update thread, which clips, runs torch's fused CPU AdamW unit by unit in forward order and casts each
 unit's new masters into an upload slot, where the forward picks them up.
@@ -96,7 +99,7 @@ class _SideStream:
     def record(self) -> torch.cuda.Event | None:
         if self.stream is None:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # waiting host threads sleep instead of spinning a core
         event.record(self.stream)
         return event
 
@@ -149,7 +152,10 @@ class OffloadedAdamW:
     `units` lists the model's modules in execution order (each parameter in exactly one unit); `groups` are
     the caller's parameter groups (lists of the model's Parameters plus options, as for torch.optim.AdamW);
     `working_dtype(name, param)` picks each parameter's dtype on the device. The Parameters are moved to
-    `device` in place (same objects, so modules sharing them keep working).
+    `device` in place (same objects, so modules sharing them keep working). `device_passes` backward passes
+    are summed on the device (in the working dtype, by autograd) before each copy to the host: with gradient
+    accumulation, the trainer's micro-batches per step trade 2 bytes/parameter of device memory for one
+    transfer and one host pass per step instead of one per micro-batch.
     """
 
     def __init__(
@@ -164,10 +170,12 @@ class OffloadedAdamW:
         betas: tuple[float, float],
         grad_clip: float = 0.0,
         delay: int = 0,
+        device_passes: int = 1,
     ) -> None:
         if not 0 <= delay <= MAX_DELAY:
             raise UserError(f"offload delay must be 0 or {MAX_DELAY}, got {delay}")
         self.device, self.delay, self.grad_clip = torch.device(device), delay, grad_clip
+        self.device_passes = device_passes
         self._copies = delay + 1  # gradient accumulators and upload slots in flight
         names = {id(p): name for name, p in model.named_parameters()}
         group_of = {id(p): number for number, group in enumerate(groups) for p in group["params"]}
@@ -219,8 +227,9 @@ class OffloadedAdamW:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._submitted = 0  # optimizer steps handed to the update thread
-        self._micro_batches = 0  # backward passes since the last step()
-        self._grads_pending = len(self._params)  # gradients of the current backward not yet copied out
+        self._copied_passes = 0  # gradient copy-outs since the last step()
+        self._passes_on_device = 0  # backward passes whose gradients still sit, summed, on the device
+        self._grads_pending = len(self._params)  # gradients of the current backward not yet produced
         self._backward_open = False
         self._staging_free = threading.Event()
         self._staging_free.set()
@@ -268,12 +277,15 @@ class OffloadedAdamW:
         self._raise_if_failed()
         if self._grads_pending != len(self._params):
             raise RuntimeError(f"{self._grads_pending} parameters received no gradient in the last backward")
-        if self._micro_batches == 0:
+        if self._passes_on_device:
+            raise RuntimeError(f"step() after {self._passes_on_device} backward passes whose gradients are still "
+                               f"on the device (they are copied out every {self.device_passes})")
+        if self._copied_passes == 0:
             raise RuntimeError("step() without a backward pass since the last step")
         options = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         accumulator = self._submitted % self._copies
         self._submitted += 1
-        self._micro_batches = 0
+        self._copied_passes = 0
         self._grad_jobs.put(("seal", options, self._submitted, accumulator))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -385,26 +397,33 @@ class OffloadedAdamW:
         unit.device_version, unit.device_event = version, event
 
     def _gradient_ready(self, record: _Param, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: copy the gradient to the host and free it on the device."""
-        if not self._backward_open:
-            start = time.perf_counter()
-            self._staging_free.wait()  # the gradient thread has consumed the previous backward's gradients
-            self.timings["stall"] += time.perf_counter() - start
-            self._raise_if_failed()
-            self._staging_free.clear()
-            self._backward_open = True
-        grad = param.grad
-        with self._download.after_current():
-            self._download.copy(record.staging, grad)
-        if self._download.stream is not None:
-            grad.record_stream(self._download.stream)  # keep its memory until the copy has read it
-        param.grad = None
+        """Post-accumulate-grad hook: on the last of `device_passes` backward passes, copy the gradient to the
+        host and free it on the device; on earlier ones leave it there for autograd to sum into."""
+        copying = self._passes_on_device == self.device_passes - 1
+        if copying:
+            if not self._backward_open:
+                start = time.perf_counter()
+                self._staging_free.wait()  # the gradient thread has consumed the previous copy
+                self.timings["stall"] += time.perf_counter() - start
+                self._raise_if_failed()
+                self._staging_free.clear()
+                self._backward_open = True
+            grad = param.grad
+            with self._download.after_current():
+                self._download.copy(record.staging, grad)
+            if self._download.stream is not None:
+                grad.record_stream(self._download.stream)  # keep its memory until the copy has read it
+            param.grad = None
         self._grads_pending -= 1
-        if self._grads_pending == 0:
-            first = self._micro_batches == 0
-            self._grad_jobs.put(("accumulate", self._download.record(), first, self._submitted % self._copies))
-            self._micro_batches += 1
+        if self._grads_pending == 0:  # this backward pass is complete
             self._grads_pending = len(self._params)
+            if not copying:
+                self._passes_on_device += 1
+                return
+            first = self._copied_passes == 0
+            self._grad_jobs.put(("accumulate", self._download.record(), first, self._submitted % self._copies))
+            self._copied_passes += 1
+            self._passes_on_device = 0
             self._backward_open = False
 
     # --- the host side: two threads -----------------------------------------------------------------

@@ -142,6 +142,7 @@ class Trainer:
             return OffloadedAdamW(
                 self.model, self.model.execution_units(), groups, self.device, self._working_dtype,
                 lr=self.cfg.lr, betas=betas, grad_clip=self.cfg.grad_clip, delay=self.cfg.offload_delay,
+                device_passes=self.cfg.grad_accum if self.cfg.offload_accumulate == "device" else 1,
             )
         return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=betas, fused=True)
 
