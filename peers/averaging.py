@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import multiprocessing as mp
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
@@ -190,6 +191,9 @@ class SwarmAverager(DecentralizedAverager):
         self._traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
         tensors = [view.view(t.shape) for view, t in zip(self._flat.split(sizes), template)]
         self._pending: Optional[PendingRound] = None
+        self._outgoing: Optional[asyncio.Future] = None  # averager process: this round's packed pseudo-gradient
+        self._step_finished = mp.Event()  # the averager process is done with the buffers of the last round
+        self._step_finished.set()
 
         request_timeout = request_timeout if request_timeout is not None else min(3.0, matchmaking_time / 2)
         client_mode = kwargs.get("client_mode")
@@ -228,19 +232,28 @@ class SwarmAverager(DecentralizedAverager):
             raise RuntimeError("the previous round is still pending: call result() on it first")
         if not (math.isfinite(tokens) and tokens > 0):
             raise ValueError(f"tokens must be a positive number, got {tokens}")
-        with self.get_tensors() as buffers:
-            if len(pseudo_gradient) != len(buffers):
-                raise ValueError(f"expected {len(buffers)} tensors, got {len(pseudo_gradient)}")
-            for buffer, tensor in zip(buffers, pseudo_gradient):
-                if tensor.shape != buffer.shape:
-                    raise ValueError(f"pseudo-gradient shape {tuple(tensor.shape)} != {tuple(buffer.shape)}")
-                buffer.copy_(tensor.detach())
-            if not bool(torch.isfinite(self._flat).all()):
+        if len(pseudo_gradient) != len(self._averaged_tensors):
+            raise ValueError(f"expected {len(self._averaged_tensors)} tensors, got {len(pseudo_gradient)}")
+        for tensor, buffer in zip(pseudo_gradient, self._averaged_tensors):
+            if tensor.shape != buffer.shape:
+                raise ValueError(f"pseudo-gradient shape {tuple(tensor.shape)} != {tuple(buffer.shape)}")
+            if not bool(torch.isfinite(tensor).all()):
                 raise ValueError("pseudo-gradient has non-finite values; refusing to send it")
-        traffic_before = self.traffic()
-        control = self.step(
-            gather=dict(tokens=float(tokens)), weight=float(tokens), timeout=self.round_timeout, wait=False
-        )
+        # The last round's result is out, but if it failed its residual may still be rolling back.
+        if not self._step_finished.wait(timeout=self._allreduce_timeout):
+            raise RuntimeError("the averager process has not finished the last round; is it alive?")
+        self._step_finished.clear()
+        try:
+            with self.get_tensors() as buffers:
+                for buffer, tensor in zip(buffers, pseudo_gradient):
+                    buffer.copy_(tensor.detach())
+            traffic_before = self.traffic()
+            control = self.step(
+                gather=dict(tokens=float(tokens)), weight=float(tokens), timeout=self.round_timeout, wait=False
+            )
+        except BaseException:
+            self._step_finished.set()
+            raise
         self._pending = PendingRound(self, control, traffic_before)
         return self._pending
 
@@ -281,13 +294,26 @@ class SwarmAverager(DecentralizedAverager):
 
     # ---- averager process ----
 
+    async def _step(self, *, step: StepControl, future_for_init):
+        # Pack while matchmaking runs: for a big model on a CPU the pack takes seconds, and groupmates drop a
+        # sender that stays silent for next_chunk_timeout once the all-reduce has begun.
+        self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)
+        finally:
+            if self._outgoing is not None:  # no all-reduce delivered (e.g. nobody to average with): nothing sent
+                self._undo_error_feedback(await self._outgoing)
+                self._outgoing = None
+            self._step_finished.set()  # after the undo, which reads the pseudo-gradient buffers
+
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs
     ):
         """Replace `tensors` (this peer's pseudo-gradient) by the group's 1-bit average, or raise and change nothing."""
         group_id = group_info.group_id if group_id is None else group_id
-        loop = asyncio.get_running_loop()
-        sent = await loop.run_in_executor(None, self._pack_with_error_feedback, tensors)
+        if self._outgoing is None:  # hivemind retries after a failed attempt, which rolled the residual back
+            self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
+        sent = await self._outgoing
         try:
             runner = _OneBitAllReduceRunner(
                 p2p=self._p2p,
@@ -305,12 +331,14 @@ class SwarmAverager(DecentralizedAverager):
             self._running_groups[group_id].set_result(runner)
             averaged = [tensor async for tensor in runner]
         except BaseException:
-            self._undo_error_feedback(tensors, sent)
+            self._outgoing = None
+            self._undo_error_feedback(sent)
             raise
+        self._outgoing = None
         for tensor, average in zip(tensors, averaged):
             tensor.copy_(average)
 
-    def _pack_with_error_feedback(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _pack_with_error_feedback(self) -> list[torch.Tensor]:
         """What this peer sends: 1-bit `tensor + residual`, decoded; the residual keeps the difference.
 
         Packed per tensor, so blocks start where hivemind's parts start (see OneBitCodec) and the codec sends
@@ -318,6 +346,7 @@ class SwarmAverager(DecentralizedAverager):
         """
         sent = torch.empty_like(self._flat)
         block = self.codec.block_size
+        tensors = self._averaged_tensors  # start_round wrote them; no round, no writer, until this one ends
         for tensor, residual, out in zip(tensors, self._split(self._sender_residual), self._split(sent)):
             if self.sender_error_feedback:
                 signs, scales = error_feedback_pack(tensor, residual, block)
@@ -326,11 +355,11 @@ class SwarmAverager(DecentralizedAverager):
             out.copy_(unpack(signs, scales, tensor.numel(), block).view(tensor.shape))
         return self._split(sent)
 
-    def _undo_error_feedback(self, tensors: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> None:
+    def _undo_error_feedback(self, sent: Sequence[torch.Tensor]) -> None:
         # The round failed, so nothing was sent: restore the residual to its value before packing.
         if not self.sender_error_feedback:
             return
-        for tensor, residual, out in zip(tensors, self._split(self._sender_residual), sent):
+        for tensor, residual, out in zip(self._averaged_tensors, self._split(self._sender_residual), sent):
             residual.add_(out).sub_(tensor)
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
