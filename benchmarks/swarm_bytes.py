@@ -1,6 +1,7 @@
 """Bytes on the wire per averaging round, 1-bit codec vs hivemind's codecs; block-size sweep; GPU pack speed.
 
     python benchmarks/swarm_bytes.py wire [--dims e768h12d18w1024] [--peers 4]
+    python benchmarks/swarm_bytes.py live [--dims e256h4d8w256] [--peers 2] [--rounds 2]
     python benchmarks/swarm_bytes.py blocks --data PATH/tinyshakespeare.txt
     python benchmarks/swarm_bytes.py gpu            # on a CUDA machine
 
@@ -12,6 +13,10 @@ goes on the stream, and measured with `ByteSize()`. Codec output sizes do not de
 distinct part size is compressed once. Not counted: libp2p framing (yamux, noise), the same for every codec.
 Return trip: hivemind sends `average - own part` compressed with the sender's codec; SwarmAverager sends one
 1-bit message per part (sign + scale of average + reducer residual).
+
+`live`: the same count from the other end: real SwarmAverager peers (hivemind DHT + p2pd on 127.0.0.1) run
+averaging rounds on random pseudo-gradients of the model's shapes, and each reports the tensor bytes it put on
+and took off the wire (`RoundOutcome.bytes_sent` / `bytes_received`, protobuf level) and the round time.
 
 `blocks`: relative L2 error of sign x block-scale on a real pseudo-gradient (a small model trained a few
 AdamW steps on the given text), for several block sizes and scale dtypes, with the bits per value each costs.
@@ -109,6 +114,38 @@ def wire(args) -> None:
     )
 
 
+def live(args) -> None:
+    import hivemind
+
+    from tscale_p2p.peers.averaging import SwarmAverager
+
+    shapes = model_shapes(args.dims)
+    numel = sum(s.numel() for s in shapes)
+    print(f"model {args.dims}: {numel / 1e6:.1f}M parameters, {args.peers} peers on 127.0.0.1, {args.rounds} rounds")
+    dhts, averagers = [], []
+    try:
+        for _ in range(args.peers):
+            dhts.append(hivemind.DHT(start=True, initial_peers=dhts[0].get_visible_maddrs() if dhts else None))
+        template = [torch.zeros(shape) for shape in shapes]
+        averagers = [SwarmAverager(template, dht, prefix="bench", matchmaking_time=3.0) for dht in dhts]
+        print(f"{'round':>5} {'peer':>4} {'group':>5} {'sent MB':>8} {'recv MB':>8} {'sent bits/param':>16}"
+              f" {'recv bits/param':>16} {'seconds':>8}")
+        for round_number in range(args.rounds):
+            grads = [[torch.randn(shape) * 1e-3 for shape in shapes] for _ in averagers]
+            pending = [a.start_round(g, tokens=1000.0) for a, g in zip(averagers, grads)]
+            for peer, outcome in enumerate(p.result() for p in pending):
+                print(
+                    f"{round_number:>5} {peer:>4} {outcome.group_size:>5} {outcome.bytes_sent / 1e6:>8.2f}"
+                    f" {outcome.bytes_received / 1e6:>8.2f} {8 * outcome.bytes_sent / numel:>16.4f}"
+                    f" {8 * outcome.bytes_received / numel:>16.4f} {outcome.seconds:>8.1f}"
+                )
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
 def pseudo_gradient(data_path: str, steps: int = 50) -> torch.Tensor:
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_dims("e128h4d4w64"))
@@ -187,12 +224,16 @@ def main() -> None:
     wire_parser = sub.add_parser("wire", help="bytes per round per peer, ours vs hivemind's codecs")
     wire_parser.add_argument("--dims", default="e768h12d18w1024", help="model dims (default: 128M parameters)")
     wire_parser.add_argument("--peers", type=int, default=4)
+    live_parser = sub.add_parser("live", help="bytes per round reported by real SwarmAverager peers on loopback")
+    live_parser.add_argument("--dims", default="e256h4d8w256", help="model dims (default: 6.4M parameters)")
+    live_parser.add_argument("--peers", type=int, default=2)
+    live_parser.add_argument("--rounds", type=int, default=2)
     blocks_parser = sub.add_parser("blocks", help="error vs block size on a real pseudo-gradient")
     blocks_parser.add_argument("--data", required=True, help="a text file (e.g. tinyshakespeare.txt)")
     sub.add_parser("gpu", help="pack kernel GB/s vs copy bandwidth (CUDA)")
     args = parser.parse_args()
     started = time.perf_counter()
-    dict(wire=wire, blocks=blocks, gpu=gpu)[args.mode](args)
+    dict(wire=wire, live=live, blocks=blocks, gpu=gpu)[args.mode](args)
     print(f"({time.perf_counter() - started:.1f} s)")
 
 
