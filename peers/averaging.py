@@ -1,6 +1,6 @@
 """`SwarmAverager`: averages a pseudo-gradient with whoever is ready, at about one bit per value each way.
 
-One round, seen from a peer (all of it in the averager's child process, after hivemind matchmaking):
+One round, seen from a peer (all of it in the averager's child process; packing overlaps matchmaking):
 
 1. **Send, with error feedback.** The peer packs `pseudo_gradient + residual` to signs and block scales
    (`OneBitCodec`) and keeps in `residual` what did not fit; the residual lives in shared memory so it
@@ -17,7 +17,8 @@ One round, seen from a peer (all of it in the averager's child process, after hi
    and adds it next time; measured, that hurt convergence, so it is off by default (benchmarks/RESULTS.md).
 
 A span whose reducer fails or sends something invalid contributes zero for that round (identically on every
-peer that lost it); if the whole round fails, the sender's residual is rolled back, so nothing is lost.
+peer that lost it; what the senders sent for it is not put back into their residuals); if the whole round
+fails, the sender's residual is rolled back, so nothing is lost.
 
 Usage: the asynchronous swarm loop (host process; `DelayedOuterStep` is in peers/outer.py)::
 
@@ -271,7 +272,7 @@ class SwarmAverager(DecentralizedAverager):
         return float(self._sender_residual.norm())
 
     def error_feedback_state(self) -> dict[str, torch.Tensor]:
-        """Copies of both residuals (flat fp32), e.g. for a checkpoint: they are part of a peer's state."""
+        """Copies of both residuals (flat fp32), e.g. for a checkpoint; call between rounds."""
         with self.get_tensors():
             return dict(sender=self._sender_residual.clone(), reducer=self._reducer_residual.clone())
 
