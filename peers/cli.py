@@ -47,6 +47,8 @@ def add_join_parser(commands) -> None:
     swarm.add_argument("--outer-lr", type=float, metavar="LR", help="outer Nesterov SGD learning rate (new run; 0.7)")
     swarm.add_argument("--outer-momentum", type=float, metavar="M", help="outer Nesterov momentum (new run; 0.9)")
     swarm.add_argument("--max-steps", type=int, metavar="N", help="stop after N local steps (for scripts)")
+    swarm.add_argument("--min-peers", type=int, default=1, metavar="N",
+                       help="wait until N peers (this one included) are online before training (for scripts)")
     swarm.add_argument("--matchmaking-time", type=float, default=5.0, metavar="S",
                        help="seconds a round waits to gather peers (default: 5)")
     swarm.add_argument("--averaging-timeout", type=float, default=30.0, metavar="S",
@@ -80,7 +82,7 @@ def run_join(args: argparse.Namespace) -> int:
     cfg = train_config_from_args(args)
     if "out" not in explicit:
         cfg = replace(cfg, out=str(Path("runs") / run_id))
-    for name in ("inner_steps", "max_steps"):
+    for name in ("inner_steps", "max_steps", "min_peers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("matchmaking_time", "averaging_timeout"):
@@ -101,6 +103,7 @@ def run_join(args: argparse.Namespace) -> int:
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
         max_steps=args.max_steps,
+        min_peers=args.min_peers,
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
     )

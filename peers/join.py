@@ -67,6 +67,7 @@ class JoinOptions:
     outer_lr: float | None = None
     outer_momentum: float | None = None
     max_steps: int | None = None
+    min_peers: int = 1  # wait until this many peers (this one included) are live before training
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
     publish_every_s: float = 5.0
@@ -82,12 +83,16 @@ def _reset_signals_in_child() -> None:
 
 
 _PR_SET_PDEATHSIG = 1
-os.register_at_fork(after_in_child=_reset_signals_in_child)
+_fork_hook_registered = False
 
 
 def join(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus | None = None) -> int:
     """Run one swarm peer to completion; returns the exit code. `explicit` holds the settings the user gave
     (flag name -> value), which must agree with the run's; `status` is updated live for a dashboard."""
+    global _fork_hook_registered
+    if not _fork_hook_registered:  # before hivemind forks anything
+        os.register_at_fork(after_in_child=_reset_signals_in_child)
+        _fork_hook_registered = True
     status = status or LocalStatus()
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
         # hivemind logs a traceback for every round that finds no group; our loop reports it in one line.
@@ -117,36 +122,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
     maddrs = _sorted_maddrs(dht)
     device = resolve_device(cfg.device)
     corpus = load_corpus(cfg.data)
-    tokenizer = tokenizer_name(corpus)
-    published = fetch_run_config(dht, options.run_id) if options.network.initial_peers else None
-    saved = load_saved_run_config(cfg.out)
-    if published is not None and saved is not None and published.hash != saved.hash:
-        raise UserError(
-            f"{cfg.out!r} holds checkpoints of another configuration than run {options.run_id!r}; choose another --out"
-        )
-    run = published or saved
-    if run is not None:
-        run.check_flags(options.run_id, explicit)
-        if tokenizer != run.tokenizer:
-            raise UserError(
-                f"--data {cfg.data!r} is tokenized as {tokenizer}, but run {options.run_id!r} uses {run.tokenizer}"
-            )
-        log.info("%s run %r (config %s): model %s, %d inner steps", "joined" if published else "continuing",
-                 options.run_id, run.hash[:12], run.model_config.dims, run.inner_steps)
-    else:
-        run = RunConfig.from_settings(
-            cfg,
-            model_config_for(cfg, device.type, corpus.vocab_size),
-            tokenizer,
-            inner_steps=options.inner_steps or DEFAULT_INNER_STEPS,
-            outer_lr=options.outer_lr or DEFAULT_OUTER_LR,
-            outer_momentum=options.outer_momentum if options.outer_momentum is not None else DEFAULT_OUTER_MOMENTUM,
-        )
-        log.info("started run %r (config %s): model %s, %d inner steps", options.run_id, run.hash[:12],
-                 run.model_config.dims, run.inner_steps)
-    if published is None:
-        publish_run_config(dht, options.run_id, run)
-    save_run_config(cfg.out, run)
+    run = resolve_run(dht, cfg, explicit, options, corpus, device)
     if not options.network.initial_peers:
         _print_join_line(maddrs, options.run_id)
 
@@ -212,15 +188,56 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             peer.averager.allow_state_sharing = True
         log.info("%s (%s) training on %s, %s; peer id %s", name, options.run_id, identity.device,
                  trainer.precision, peer_id)
+        if options.min_peers > 1:
+            wait_for_peers(peer, options.min_peers, should_stop)
         if not should_stop():
             peer.run(should_stop)
         if peer.wall_s > 0:
-            log.info("trainer busy %.1f%% of %.0f s in the swarm loop", 100 * peer.training_s / peer.wall_s, peer.wall_s)
+            log.info(
+                "trainer busy %.1f%% of %.0f s in the swarm loop; %d tokens contributed",
+                100 * peer.training_s / peer.wall_s, peer.wall_s, peer.tokens_contributed,
+            )
         path = peer.save()
         log.info("checkpoint written to %s", path)
     finally:
         peer.shutdown()
     return 0
+
+
+def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, corpus, device) -> RunConfig:
+    """The run this peer trains: the one published in the DHT, else the one saved in --out by an earlier
+    session, else a new one from this peer's flags (published for others). Saved in --out in every case."""
+    tokenizer = tokenizer_name(corpus)
+    published = fetch_run_config(dht, options.run_id) if options.network.initial_peers else None
+    saved = load_saved_run_config(cfg.out)
+    if published is not None and saved is not None and published.hash != saved.hash:
+        raise UserError(
+            f"{cfg.out!r} holds checkpoints of another configuration than run {options.run_id!r}; choose another --out"
+        )
+    run = published or saved
+    if run is not None:
+        run.check_flags(options.run_id, explicit)
+        if tokenizer != run.tokenizer:
+            raise UserError(
+                f"--data {cfg.data!r} is tokenized as {tokenizer}, but run {options.run_id!r} uses {run.tokenizer}"
+            )
+        log.info("%s run %r (config %s): model %s, %d inner steps", "joined" if published else "continuing",
+                 options.run_id, run.hash[:12], run.model_config.dims, run.inner_steps)
+    else:
+        run = RunConfig.from_settings(
+            cfg,
+            model_config_for(cfg, device.type, corpus.vocab_size),
+            tokenizer,
+            inner_steps=options.inner_steps or DEFAULT_INNER_STEPS,
+            outer_lr=options.outer_lr or DEFAULT_OUTER_LR,
+            outer_momentum=options.outer_momentum if options.outer_momentum is not None else DEFAULT_OUTER_MOMENTUM,
+        )
+        log.info("started run %r (config %s): model %s, %d inner steps", options.run_id, run.hash[:12],
+                 run.model_config.dims, run.inner_steps)
+    if published is None:
+        publish_run_config(dht, options.run_id, run)
+    save_run_config(cfg.out, run)
+    return run
 
 
 def download_state(peer: SwarmPeer, should_stop, timeout_s: float = 60.0) -> bool:
@@ -246,6 +263,19 @@ def download_state(peer: SwarmPeer, should_stop, timeout_s: float = 60.0) -> boo
             time.sleep(attempt)
         progress.update(task, description="no peer shared its state; starting from the run's initial weights")
     return False
+
+
+def wait_for_peers(peer: SwarmPeer, count: int, should_stop) -> None:
+    """Publish our record and wait until `count` live peers (us included) have theirs (--min-peers)."""
+    log.info("waiting for %d peers before training", count)
+    while not should_stop():
+        peer.metrics.publish(peer.record())
+        fresh = time.time() - 3 * peer.publish_every_s
+        live = {r.peer_id for r in peer.metrics.fetch() if r.updated_at > fresh} | {peer.identity.peer_id}
+        if len(live) >= count:
+            log.info("%d peers are live: training", len(live))
+            return
+        time.sleep(1.0)
 
 
 def initial_weights(run: RunConfig) -> dict[str, torch.Tensor]:

@@ -219,6 +219,8 @@ class SwarmPeer:
                 cfg = self.trainer.cfg
                 if cfg.save_every and stats.step % cfg.save_every == 0:
                     self.save()
+                if cfg.eval_every and stats.step % cfg.eval_every == 0:
+                    log.info("step %d  val loss %.4f (local weights)", stats.step, self.trainer.evaluate().loss)
                 log_line = stats.step % cfg.log_every == 0
                 elapsed = time.perf_counter() - window_start
                 if elapsed >= 1.0 or log_line or session_steps == 1:
@@ -365,7 +367,9 @@ class SwarmPeer:
         while True:
             try:
                 self.metrics.publish(self.record())
-                self.status.update(swarm_size=max(1, len(self.metrics.fetch())))
+                fresh = time.time() - 3 * self.publish_every_s  # records of departed peers linger until their TTL
+                live = [r for r in self.metrics.fetch() if r.updated_at > fresh and r.peer_id != self.identity.peer_id]
+                self.status.update(swarm_size=1 + len(live))
                 if time.monotonic() - config_published > CONFIG_REFRESH_S:
                     publish_run_config(self.metrics.dht, self.identity.run_id, self.run_config)
                     config_published = time.monotonic()

@@ -35,7 +35,8 @@ class Process:
 
     def __init__(self, args: list[str], log: Path, cwd: Path) -> None:
         self.log = log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Peers share two cores: one OpenMP thread each, or their spin-waits starve one another.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         with open(log, "wb") as sink:
             self.popen = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                                           start_new_session=True)
@@ -136,10 +137,11 @@ def stop_all(peers: list[Process], timeout: float = 60) -> None:
 def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tmp_path, text_file):
     bootstrap = bootstrap_with_hivemind_dht(spawn)
     names = ("a", "b", "c")
-    # A long matchmaking window lets the first round gather all three despite uneven start-up times.
+    # --min-peers: training starts once all three are up, so the first round can gather all of them.
     peers = [
         spawn(name, *join_args(name, text_file, "--initial-peers", bootstrap, "--run-id", "agree", "--name", name,
-                               *TINY, "--inner-steps", "5", "--matchmaking-time", "5", "--averaging-timeout", "20"))
+                               "--min-peers", "3", *TINY, "--inner-steps", "5", "--matchmaking-time", "3",
+                               "--averaging-timeout", "20"))
         for name in names
     ]
     for peer in peers:
@@ -161,7 +163,9 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     """One swarm, in order: a founder prints how to join; a second peer joins; a late joiner downloads the
     state and continues; `peers --json` lists all three; contradicting flags are refused; a peer killed
     with SIGKILL mid-round does not stall the others beyond the averaging timeout."""
-    a = spawn("a", *join_args("a", text_file, "--run-id", "late", "--name", "a", *TINY, *FAST_ROUNDS))
+    # A long schedule (--steps, adopted by the joiners): the run must not end while the test watches it.
+    a = spawn("a", *join_args("a", text_file, "--run-id", "late", "--name", "a", "--steps", "1000000",
+                              *TINY, *FAST_ROUNDS))
     founder = a.wait_for(r"tscale-peer join --initial-peers (\S+) --run-id late", timeout=60)[0].group(1)
     assert MADDR.fullmatch(founder)
     b = spawn("b", *join_args("b", text_file, "--initial-peers", founder, "--run-id", "late", "--name", "b"))
@@ -226,3 +230,20 @@ def test_bad_swarm_flags_are_refused_in_one_line(flags, message, capsys):
     assert main(["join", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("tscale-peer: error:")
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_peer_keeps_its_id_run_and_swarm_state(spawn, tmp_path, text_file):
+    first = spawn("first", *join_args("solo", text_file, "--run-id", "again", "--max-steps", "12", *TINY,
+                                      "--inner-steps", "4", "--matchmaking-time", "0.5", "--averaging-timeout", "1"))
+    assert first.wait(90) == 0, first.output()[-3000:]
+    peer_id = re.search(r"peer id (\w+)", first.output()).group(1)
+    rounds_done = max(rounds(first.output()))
+    # No model flags the second time: the run config saved beside the checkpoints says what the run is.
+    second = spawn("second", *join_args("solo", text_file, "--run-id", "again", "--max-steps", "4", "--log-every", "1"))
+    assert second.wait(90) == 0, second.output()[-3000:]
+    log = second.output()
+    assert f"peer id {peer_id}" in log
+    assert "continuing run 'again'" in log and "model e32h2d2w64" in log
+    assert f"continuing from the saved swarm state of round {rounds_done}" in log
+    assert re.search(r"step 16  round", log)  # 12 steps before, 4 now

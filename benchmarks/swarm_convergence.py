@@ -1,0 +1,198 @@
+"""Convergence of the real swarm at a fixed token budget (CPU, minutes).
+
+    python benchmarks/swarm_convergence.py --data PATH/tinyshakespeare.txt [--peers 4] [--steps 300]
+
+Three ways to spend the same tokens on the same transformer, each peer drawing its own batches:
+
+- swarm, 1-bit async     `--peers` real `tscale-peer join` processes on 127.0.0.1 (hivemind DHT, p2pd,
+                         SwarmAverager's 1-bit all-reduce with error feedback both ways, rounds applied one
+                         round late), each `--steps` local steps, all started together against a stock
+                         `hivemind-dht` bootstrap node. Scored: the global weights each peer saved on exit.
+- DiLoCo, uncompressed   the same rounds in one process, synchronous, exact mean of the pseudo-gradients,
+                         the same outer Nesterov SGD (peers/outer.py). What the swarm would reach with a
+                         perfect network and no compression.
+- one process            a single trainer with a `--peers` times larger batch, every step.
+
+Reported: validation loss (nats/token, the trainer's fixed eval windows) and the gap to the last row, plus
+the traffic ratio against a per-step bf16 gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.data import load_corpus
+from tscale_p2p.model import ModelConfig
+from tscale_p2p.peers.join import initial_weights
+from tscale_p2p.peers.outer import OuterOptimizer
+from tscale_p2p.peers.run_config import RunConfig
+from tscale_p2p.trainer import Trainer
+
+# Several peers share this machine's cores: one OpenMP thread each, or their spin-waits starve one another.
+PEER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+BITS_PER_PARAM_EACH_WAY = 1 + 16 / 256  # 1-bit signs + a bf16 scale per 256 values (peers/codec.py)
+
+
+def settings(args, batch_size: int, seed: int = 0) -> TrainConfig:
+    return TrainConfig(
+        data=args.data, model=args.model, device="cpu", steps=args.steps, batch_size=batch_size, lr=args.lr,
+        warmup=args.warmup, eval_batches=args.eval_batches, eval_every=0, save_every=0, seed=seed,
+    )
+
+
+def run_config(args) -> RunConfig:
+    cfg = settings(args, args.batch_size)
+    model = ModelConfig.from_dims(args.model, vocab_size=load_corpus(args.data).vocab_size)
+    return RunConfig.from_settings(cfg, model, "byte", args.inner_steps, args.outer_lr, args.outer_momentum)
+
+
+def trainer_for(args, batch_size: int, seed: int) -> Trainer:
+    run = run_config(args)
+    trainer = Trainer(run.model_config, settings(args, batch_size, seed), load_corpus(args.data), torch.device("cpu"))
+    trainer.apply_outer_update(initial_weights(run))
+    return trainer
+
+
+def val_loss(args, weights: dict[str, torch.Tensor]) -> float:
+    trainer = trainer_for(args, args.batch_size, 0)
+    trainer.apply_outer_update(weights)
+    return trainer.evaluate().loss
+
+
+def one_process(args) -> tuple[float, int]:
+    trainer = trainer_for(args, args.peers * args.batch_size, seed=1)
+    for _ in range(args.steps):
+        trainer.local_step()
+    return trainer.evaluate().loss, trainer.tokens_seen
+
+
+def diloco_uncompressed(args) -> tuple[float, int]:
+    peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
+    names = [n for n, _ in peers[0].model.named_parameters()]
+    outer = OuterOptimizer(peers[0].snapshot(), args.outer_lr, args.outer_momentum)
+    for start in range(0, args.steps, args.inner_steps):
+        deltas = []
+        for trainer in peers:
+            for _ in range(min(args.inner_steps, args.steps - start)):
+                trainer.local_step()
+            weights = trainer.snapshot()
+            deltas.append({n: outer.weights[n] - weights[n] for n in names})
+        outer.step({n: torch.stack([d[n] for d in deltas]).mean(0) for n in names})
+        for trainer in peers:
+            trainer.apply_outer_update(outer.weights)
+    return val_loss(args, outer.weights), sum(t.tokens_seen for t in peers)
+
+
+def swarm(args, work: Path) -> tuple[list[float], int, list[str]]:
+    """All peers start together against a stock `hivemind-dht` bootstrap node, with the same flags."""
+    bootstrap_log = work / "bootstrap.log"
+    bootstrap = subprocess.Popen([str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs",
+                                  "/ip4/127.0.0.1/tcp/0"], stdout=open(bootstrap_log, "wb"), stderr=subprocess.STDOUT)
+    flags = [
+        "--data", args.data, "--device", "cpu", "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
+        "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time", str(args.matchmaking_time),
+        "--averaging-timeout", "30", "--eval-every", "0", "--save-every", "0", "--log-every", "50", "--run-id", "bench",
+        "--model", args.model, "--steps", str(args.steps), "--lr", str(args.lr), "--warmup", str(args.warmup),
+        "--inner-steps", str(args.inner_steps), "--outer-lr", str(args.outer_lr),
+        "--outer-momentum", str(args.outer_momentum), "--eval-batches", str(args.eval_batches),
+        "--min-peers", str(args.peers),
+    ]
+    logs = [work / f"peer{i}.log" for i in range(args.peers)]
+    processes = [bootstrap]
+    try:
+        address = _wait_for(bootstrap_log, r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", bootstrap)
+        for i in range(args.peers):
+            command = [sys.executable, "-m", "tscale_p2p.cli", "join", "--out", str(work / f"peer{i}"),
+                       "--initial-peers", address, *flags]
+            processes.append(subprocess.Popen(command, stdout=open(logs[i], "wb"), stderr=subprocess.STDOUT, env=PEER_ENV))
+        for process in processes[1:]:
+            if process.wait(timeout=args.timeout) != 0:
+                raise SystemExit(f"a peer failed; logs in {work}")
+    finally:
+        for process in processes:
+            process.kill()
+    losses = [val_loss(args, _global_weights(work / f"peer{i}", args)) for i in range(args.peers)]
+    tokens = sum(_tokens(log.read_text()) for log in logs)
+    return losses, tokens, [log.read_text() for log in logs]
+
+
+def _wait_for(log: Path, pattern: str, process: subprocess.Popen, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        found = re.search(pattern, log.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    raise SystemExit(f"{pattern!r} never appeared in {log}")
+
+
+def _global_weights(out: Path, args) -> dict[str, torch.Tensor]:
+    names = [n for n, _ in trainer_for(args, args.batch_size, 0).model.named_parameters()]
+    with safe_open(out / "swarm-state.safetensors", framework="pt") as handle:
+        tensors = [handle.get_tensor(key) for key in sorted(handle.keys())]
+    return dict(zip(names, tensors[: len(names)]))
+
+
+def _tokens(log: str) -> int:
+    found = re.search(r"(\d+) tokens contributed", log)
+    return int(found.group(1)) if found else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="a text file, e.g. tinyshakespeare.txt")
+    parser.add_argument("--model", default="e64h4d2w128")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=200, help="local steps per peer")
+    parser.add_argument("--batch-size", type=int, default=8, help="per peer")
+    parser.add_argument("--inner-steps", type=int, default=25)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--matchmaking-time", type=float, default=3.0)
+    parser.add_argument("--eval-batches", type=int, default=40)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--skip-swarm", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    rows = []
+    started = time.perf_counter()
+    if not args.skip_swarm:
+        with tempfile.TemporaryDirectory() as work:
+            losses, tokens, logs = swarm(args, Path(work))
+        full = sum(len(re.findall(rf"averaged with {args.peers - 1} peer", log)) for log in logs) / args.peers
+        rounds = sum(len(re.findall(r"round \d+: averaged", log)) for log in logs) / args.peers
+        rows.append((f"swarm, 1-bit async ({args.peers} processes; {full:.1f} of {rounds:.1f} rounds/peer with all)",
+                     sum(losses) / len(losses), tokens, f"peers {', '.join(f'{x:.4f}' for x in losses)}"))
+    loss, tokens = diloco_uncompressed(args)
+    rows.append(("DiLoCo, uncompressed, synchronous", loss, tokens, ""))
+    loss, tokens = one_process(args)
+    rows.append((f"one process, batch {args.peers * args.batch_size}", loss, tokens, ""))
+    reference = rows[-1][1]
+    print(f"model {args.model}, {args.peers} peers x {args.steps} steps x batch {args.batch_size}, "
+          f"H={args.inner_steps}, outer lr {args.outer_lr} momentum {args.outer_momentum}; "
+          f"{time.perf_counter() - started:.0f} s")
+    print("| run | val loss | gap to one process | tokens | notes |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, value, tokens, notes in rows:
+        print(f"| {name} | {value:.4f} | {100 * (value / reference - 1):+.2f}% | {tokens:,} | {notes} |")
+    # Per-step bf16 all-reduce moves 16 bits/param each way every step; we move ~1.06 every H steps.
+    print(f"traffic vs per-step bf16 gradient all-reduce: {16 * args.inner_steps / BITS_PER_PARAM_EACH_WAY:.0f}x less")
+
+
+if __name__ == "__main__":
+    main()
