@@ -108,6 +108,8 @@ def error_feedback_pack_triton(
     _check_block_size(block_size)
     x = x.reshape(-1).contiguous()
     numel = x.numel()
+    if numel >= 2**31:  # offsets are int32 in the kernel; SwarmAverager packs tensor by tensor
+        raise ValueError(f"pack at most 2**31 - 1 values per call, got {numel}")
     n_bytes, n_blocks = packed_sizes(numel, block_size)
     signs = torch.empty(n_bytes, dtype=torch.uint8, device=x.device)
     scales = torch.empty(n_blocks, dtype=torch.bfloat16, device=x.device)

@@ -109,6 +109,30 @@ def test_three_peers_average_agree_and_error_feedback_keeps_the_books():
     assert errors[0] > errors[1] > errors[2], errors
 
 
+def test_a_client_mode_peer_contributes_and_gets_the_same_average():
+    """A peer behind NAT (client-mode DHT: it accepts no connections) only sends; the others reduce for it."""
+    grads, tokens = [random_grads(seed) for seed in range(3)], [1000.0, 2000.0, 3000.0]
+    dhts, averagers = [], []
+    try:
+        dhts.append(hivemind.DHT(start=True))
+        for client_mode in (False, True):
+            dhts.append(hivemind.DHT(start=True, initial_peers=dhts[0].get_visible_maddrs(), client_mode=client_mode))
+        template = [torch.zeros(shape) for shape in SHAPES]
+        averagers = [SwarmAverager(template, dht, prefix="test", **AVERAGER_OPTIONS) for dht in dhts]
+        assert averagers[2].client_mode
+        outcomes = run_round(averagers, grads, tokens)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+    assert [o.group_size for o in outcomes] == [3, 3, 3]
+    for outcome in outcomes[1:]:
+        for got, want in zip(outcome.averaged, outcomes[0].averaged):
+            assert torch.equal(got, want)
+    assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+
+
 class NaNScales(OneBitCodec):
     """Sends (and answers with) a NaN scale."""
 
