@@ -14,6 +14,7 @@ update has to hide behind a GPU step. Per offloaded step it reports the host's u
 accumulation seconds and how long the GPU side stalled waiting for them.
 
     python benchmarks/offload.py                 # H200: 1B/1.5B plain, 3B offloaded, ~6 minutes
+    python benchmarks/offload.py --plain-sizes 1B --offload-sizes 1.5B --offload-probe-sizes 4B --delays 0,1
     python benchmarks/offload.py --dry-run       # the whole flow on the CPU with toy models, seconds
 """
 
@@ -129,6 +130,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=24.0, help="GPU memory budget in GiB")
     parser.add_argument("--plain-sizes", default="1B,1.5B", help="sizes tried without offload inside the budget")
     parser.add_argument("--offload-sizes", default="3B", help="sizes trained with offload inside the budget")
+    parser.add_argument("--offload-probe-sizes", default="",
+                        help="larger sizes only checked to train with offload inside the budget (eager, no baseline), e.g. 4B")
     parser.add_argument("--delays", default="1", help="offload delays to measure, e.g. 0,1")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
     parser.add_argument("--tokens-per-step", type=int, default=65536)
@@ -177,6 +180,10 @@ def main() -> None:
         r = measure(spec(size, "none", 0, True, budget, args.plain_micro_batch, False), timeout)
         rows.append((size, f"plain, ckpt, cap {budget or '-'}", r, None))
         print(f"  {size} plain in budget: {r.get('fits')} {r.get('why', '')}", flush=True)
+    for size in [] if dry else [s for s in args.offload_probe_sizes.split(",") if s]:
+        r = measure(spec(size, "optimizer", 1, True, budget, args.micro_batch, False), timeout)
+        rows.append((size, f"offload d1, ckpt, cap {budget}, eager", r, None))
+        print(f"  {size} offload in budget: {r.get('fits')} {r.get('why', '')}", flush=True)
     for size in offload_sizes:
         base = measure(spec(size, "none", 0, False, None, args.plain_micro_batch, not args.no_compile), timeout)
         rows.append((size, "plain, uncapped", base, None))

@@ -2,7 +2,8 @@
 
 Where the bytes of one parameter live (bf16 working weights, `delay` d):
 
-    GPU    working weight (2); its gradient only until the gradient has been copied out
+    GPU    working weight (2); its gradient (2) until copied out: as produced in the backward, or with
+           gradient accumulation summed on the device until the step's last micro-batch (`device_passes`)
     host   fp32 master (4), AdamW moments (8), fp32 gradient accumulators (4 each, d + 1 of them),
            pinned transfer buffers: gradient staging (2), weight upload slots (2 each, d + 1 of them)
 
@@ -16,7 +17,7 @@ In backward each parameter's gradient, as soon as it is accumulated, is copied t
 gradient stream (a post-accumulate-grad hook) and its GPU memory is released.
 
 With gradient accumulation the gradients either stay on the device until the step's last micro-batch
-(`device_passes`) or leave after every micro-batch and are summed on the host in fp32.
+(`device_passes`, one transfer per step) or leave after every micro-batch and are summed on the host in fp32.
 
 Seen from the host: the gradient thread adds the staged gradients into an fp32 accumulator; `step()` hands it
 to the update thread, which clips, runs torch's fused CPU AdamW unit by unit in forward order and casts each
