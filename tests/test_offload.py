@@ -80,6 +80,45 @@ def test_resume_with_offload_continues_bit_for_bit(corpus, tmp_path, first, seco
     assert same(weights(straight), weights(split))
 
 
+def test_evaluation_between_steps_does_not_change_a_delayed_run(corpus, tmp_path):
+    """Evaluation sees the weights the next step will use, so with the delay it changes nothing either."""
+    quiet, evaluated = tmp_path / "quiet", tmp_path / "evaluated"
+    assert train(quiet, corpus, *OFFLOAD, "--offload-delay", "1") == 0
+    assert main(["train", "--data", str(corpus), "--out", str(evaluated), "--steps", "6", "--eval-every", "2",
+                 *TINY, *OFFLOAD, "--offload-delay", "1"]) == 0
+    assert same(weights(quiet), weights(evaluated))
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_swarm_interface_under_offload(corpus, delay):
+    """snapshot() gives the fp32 masters; apply_outer_update() replaces them and the device weights."""
+    loaded = load_corpus(str(corpus))
+    model_cfg = ModelConfig.from_dims("e32h2d2w32")
+
+    def trainer(**settings):
+        cfg = TrainConfig(data=str(corpus), device="cpu", batch_size=4, warmup=2, lr=1e-2, **settings)
+        return Trainer(model_cfg, cfg, loaded, torch.device("cpu"))
+
+    plain, offloaded = trainer(), trainer(offload="optimizer", offload_delay=delay)
+    for _ in range(3):
+        plain.local_step()
+        offloaded.local_step()
+    snapshot = offloaded.snapshot()
+    if delay == 0:
+        assert same(plain.snapshot(), snapshot)
+    moved = {name: w * 0.5 for name, w in snapshot.items()}  # an "outer step" computed elsewhere
+    plain.apply_outer_update(moved)
+    offloaded.apply_outer_update(moved)
+    assert same(offloaded.snapshot(), moved)
+    with torch.no_grad():  # the device weights are the new ones too
+        assert all(torch.equal(p, moved[n]) for n, p in offloaded.model.named_parameters())
+    if delay == 0:  # and training continues from them exactly like an ordinary trainer
+        for _ in range(2):
+            plain.local_step()
+            offloaded.local_step()
+        assert same(plain.snapshot(), offloaded.snapshot())
+
+
 def test_one_step_delay_still_learns(corpus, tmp_path, caplog):
     """TScale's delayed update: every step trains on weights one update old; the loss still falls like a plain run's."""
     caplog.set_level("INFO")
