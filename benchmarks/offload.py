@@ -16,6 +16,7 @@ accumulation seconds and how long the GPU side stalled waiting for them.
     python benchmarks/offload.py                 # H200: 1B/1.5B plain, 3B offloaded, ~6 minutes
     python benchmarks/offload.py --plain-sizes 1B --offload-sizes 1.5B --offload-probe-sizes 4B --delays 0,1
     python benchmarks/offload.py --dry-run       # the whole flow on the CPU with toy models, seconds
+    python benchmarks/offload.py --delay-effect tinyshakespeare.txt   # loss cost of the one-step delay
 """
 
 from __future__ import annotations
@@ -124,6 +125,36 @@ def time_cpu_adamw(numel: int) -> dict[str, float]:
     return rates
 
 
+def delay_effect(data: str, device: str, model: str, steps: int, batch: int, lrs: list[float]) -> None:
+    """Val loss after `steps` steps with the update applied at once (delay 0) and one step late (delay 1)."""
+    from tscale_p2p.config import TrainConfig
+    from tscale_p2p.data import load_corpus
+    from tscale_p2p.model import ModelConfig
+    from tscale_p2p.trainer import Trainer
+
+    corpus = load_corpus(data)
+    print(f"{'lr':>8} {'delay 0':>8} {'delay 1':>8}   ({model}, {steps} steps of {batch} sequences, {data})")
+    for lr in lrs:
+        losses = []
+        for delay in (0, 1):
+            cfg = TrainConfig(data=data, device=device, model=model, batch_size=batch, lr=lr, warmup=10,
+                              steps=steps, offload="optimizer", offload_delay=delay, eval_batches=20)
+            trainer = Trainer(ModelConfig.from_dims(model), cfg, corpus, torch.device(device))
+            for _ in range(steps):
+                trainer.local_step()
+            losses.append(trainer.evaluate().loss)
+            trainer.optimizer.close()
+        print(f"{lr:8.0e} {losses[0]:8.4f} {losses[1]:8.4f}", flush=True)
+
+
+def names(sizes: str) -> list[str]:
+    chosen = [s for s in sizes.split(",") if s]
+    unknown = [s for s in chosen if s not in SIZES]
+    if unknown:
+        raise SystemExit(f"unknown size {unknown[0]!r}; choose from {', '.join(SIZES)}")
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, toy models, a few steps: check the flow")
@@ -141,10 +172,20 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch under offload")
     parser.add_argument("--plain-micro-batch", type=int, default=4, help="sequences per micro-batch without offload")
     parser.add_argument("--no-compile", action="store_true", help="eager mode (faster start, slower steps)")
+    parser.add_argument("--delay-effect", metavar="TEXT", help="instead: val loss of delay 0 vs 1 on this text file")
+    parser.add_argument("--delay-model", default="e64h4d4w64", help="--delay-effect: model dims")
+    parser.add_argument("--delay-steps", type=int, default=300, help="--delay-effect: steps")
+    parser.add_argument("--delay-batch", type=int, default=64, help="--delay-effect: sequences per step")
+    parser.add_argument("--delay-lrs", default="1e-3,3e-3", help="--delay-effect: learning rates")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))), flush=True)
+        return
+    if args.delay_effect:
+        device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+        delay_effect(args.delay_effect, device, args.delay_model, args.delay_steps, args.delay_batch,
+                     [float(lr) for lr in args.delay_lrs.split(",")])
         return
 
     dry = args.dry_run
@@ -152,8 +193,8 @@ def main() -> None:
     if not dry and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (or --dry-run)")
     context = 64 if dry else 2048
-    plain_sizes = ["toy"] if dry else args.plain_sizes.split(",")
-    offload_sizes = ["toy", "toy2"] if dry else args.offload_sizes.split(",")
+    plain_sizes = ["toy"] if dry else names(args.plain_sizes)
+    offload_sizes = ["toy", "toy2"] if dry else names(args.offload_sizes)
     sequences = max(1, args.tokens_per_step // context) if not dry else 8
     budget = None if dry else args.budget
     timeout = 120 if dry else 420
@@ -180,7 +221,7 @@ def main() -> None:
         r = measure(spec(size, "none", 0, True, budget, args.plain_micro_batch, False), timeout)
         rows.append((size, f"plain, ckpt, cap {budget or '-'}", r, None))
         print(f"  {size} plain in budget: {r.get('fits')} {r.get('why', '')}", flush=True)
-    for size in [] if dry else [s for s in args.offload_probe_sizes.split(",") if s]:
+    for size in [] if dry else names(args.offload_probe_sizes):
         r = measure(spec(size, "optimizer", 1, True, budget, args.micro_batch, False), timeout)
         rows.append((size, f"offload d1, ckpt, cap {budget}, eager", r, None))
         print(f"  {size} offload in budget: {r.get('fits')} {r.get('why', '')}", flush=True)
