@@ -83,7 +83,7 @@ class RoundOutcome:
 
     averaged: Optional[list[torch.Tensor]]  # the group's weighted mean; None: averaged with nobody
     group_size: int  # peers in the group, this one included (1 when alone)
-    group_tokens: float  # sum of the tokens the group's peers declared
+    group_tokens: float  # sum of the tokens the group's peers declared (malformed declarations count 0)
     bytes_sent: int  # tensor bytes this peer put on the wire during the round (protobuf level)
     bytes_received: int
     seconds: float  # from start_round to the end of the all-reduce
@@ -115,7 +115,7 @@ class PendingRound:
             else:
                 averaged = self._averager._read_result()
                 group_size = len(gathered)
-                group_tokens = float(sum(info["tokens"] for info in gathered.values()))
+                group_tokens = sum(_declared_tokens(info) for info in gathered.values())
             sent, received = self._averager.traffic()
             self._outcome = RoundOutcome(
                 averaged=averaged,
@@ -128,6 +128,15 @@ class PendingRound:
             )
             self._averager._pending = None
         return self._outcome
+
+
+def _declared_tokens(gathered: Any) -> float:
+    """The tokens a groupmate declared in its gathered metadata; 0 for anything malformed (it is remote data)."""
+    try:
+        tokens = float(gathered["tokens"])
+    except (TypeError, KeyError, ValueError):
+        return 0.0
+    return tokens if math.isfinite(tokens) and tokens > 0 else 0.0
 
 
 class SwarmAverager(DecentralizedAverager):
@@ -240,9 +249,7 @@ class SwarmAverager(DecentralizedAverager):
                 raise ValueError(f"pseudo-gradient shape {tuple(tensor.shape)} != {tuple(buffer.shape)}")
             if not bool(torch.isfinite(tensor).all()):
                 raise ValueError("pseudo-gradient has non-finite values; refusing to send it")
-        # The last round's result is out, but if it failed its residual may still be rolling back.
-        if not self._step_finished.wait(timeout=self._allreduce_timeout):
-            raise RuntimeError("the averager process has not finished the last round; is it alive?")
+        self._wait_for_last_step()
         self._step_finished.clear()
         try:
             with self.get_tensors() as buffers:
@@ -272,12 +279,14 @@ class SwarmAverager(DecentralizedAverager):
         return float(self._sender_residual.norm())
 
     def error_feedback_state(self) -> dict[str, torch.Tensor]:
-        """Copies of both residuals (flat fp32), e.g. for a checkpoint; call between rounds."""
+        """Copies of both residuals (flat fp32), e.g. for a checkpoint. Waits for a round in flight to end."""
+        self._wait_for_last_step()
         with self.get_tensors():
             return dict(sender=self._sender_residual.clone(), reducer=self._reducer_residual.clone())
 
     def load_error_feedback_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore residuals saved by `error_feedback_state` (same template)."""
+        self._wait_for_last_step()
         with self.get_tensors():
             for name, residual in (("sender", self._sender_residual), ("reducer", self._reducer_residual)):
                 if state[name].shape != residual.shape:
@@ -288,6 +297,13 @@ class SwarmAverager(DecentralizedAverager):
         if self._state_source is None:
             raise RuntimeError("this averager has no state_source to share")
         return self._state_source()
+
+    def _wait_for_last_step(self) -> None:
+        # A round's result is out before the averager process is done with it: a round that failed still rolls
+        # its residual back afterwards.
+        timeout = self.round_timeout + (self._allreduce_timeout or 0.0)
+        if not self._step_finished.wait(timeout=timeout):
+            raise RuntimeError("the averager process has not finished the last round; is it alive?")
 
     def _read_result(self) -> list[torch.Tensor]:
         with self.get_tensors() as buffers:
