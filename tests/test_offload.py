@@ -208,6 +208,7 @@ def test_host_bytes_per_parameter():
 
 @pytest.mark.parametrize("value, fragment", [(["--offload", "params2"], "offload"), (["--offload-delay", "2"], "offload-delay"),
                                              (["--offload-accumulate", "gpu"], "offload-accumulate"),
+                                             (["--offload-delay", "1", "--offload", "none"], "--offload optimizer"),
                                              (["--gpu-memory-limit", "0"], "gpu-memory-limit")])
 def test_bad_offload_flags(corpus, tmp_path, capsys, value, fragment):
     assert main(["train", "--data", str(corpus), "--out", str(tmp_path / "o"), *TINY, *value]) == 2

@@ -78,6 +78,8 @@ class TrainConfig:
         _choice("offload-accumulate", self.offload_accumulate, ACCUMULATE_ON)
         if self.offload_delay not in (0, 1):
             raise UserError(f"offload-delay must be 0 or 1, got {self.offload_delay}")
+        if self.offload_delay and self.offload == "none":
+            raise UserError("offload-delay applies to offloaded updates; add --offload optimizer")
         if self.gpu_memory_limit is not None and not self.gpu_memory_limit > 0:
             raise UserError(f"gpu-memory-limit must be a positive number of GiB, got {self.gpu_memory_limit}")
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep"):
