@@ -17,8 +17,8 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    and adds it next time; measured, that hurt convergence, so it is off by default (benchmarks/RESULTS.md).
 
 A span whose reducer fails or sends something invalid contributes zero for that round (identically on every
-peer that lost it; what the senders sent for it is not put back into their residuals); if the whole round
-fails, the sender's residual is rolled back, so nothing is lost.
+peer that lost it) and what each sender sent for it goes back into its residual; if the whole round fails,
+the sender's residual is rolled back. Either way nothing a sender owes is lost, only delayed.
 
 Usage: the asynchronous swarm loop (host process; `DelayedOuterStep` is in peers/outer.py)::
 
@@ -46,6 +46,7 @@ hivemind before any averager process is forked.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import multiprocessing as mp
@@ -336,7 +337,7 @@ class SwarmAverager(DecentralizedAverager):
                 p2p=self._p2p,
                 servicer_type=type(self),
                 prefix=self.prefix,
-                tensors=sent,
+                tensors=self._split(sent),
                 group_id=group_id,
                 ordered_peer_ids=group_info.peer_ids,
                 codec=self.codec,
@@ -352,11 +353,14 @@ class SwarmAverager(DecentralizedAverager):
             self._undo_error_feedback(sent)
             raise
         self._outgoing = None
+        if self.sender_error_feedback:
+            for start, end in runner.lost_spans:  # what no reducer averaged is still owed
+                self._sender_residual[start:end] += sent[start:end]
         for tensor, average in zip(tensors, averaged):
             tensor.copy_(average)
 
-    def _pack_with_error_feedback(self) -> list[torch.Tensor]:
-        """What this peer sends: 1-bit `tensor + residual`, decoded; the residual keeps the difference.
+    def _pack_with_error_feedback(self) -> torch.Tensor:
+        """What this peer sends (flat): 1-bit `tensor + residual`, decoded; the residual keeps the difference.
 
         Packed per tensor, so blocks start where hivemind's parts start (see OneBitCodec) and the codec sends
         these values exactly.
@@ -370,14 +374,12 @@ class SwarmAverager(DecentralizedAverager):
             else:
                 signs, scales = pack(tensor, block)
             out.copy_(unpack(signs, scales, tensor.numel(), block).view(tensor.shape))
-        return self._split(sent)
+        return sent
 
-    def _undo_error_feedback(self, sent: Sequence[torch.Tensor]) -> None:
+    def _undo_error_feedback(self, sent: torch.Tensor) -> None:
         # The round failed, so nothing was sent: restore the residual to its value before packing.
-        if not self.sender_error_feedback:
-            return
-        for tensor, residual, out in zip(self._averaged_tensors, self._split(self._sender_residual), sent):
-            residual.add_(out).sub_(tensor)
+        if self.sender_error_feedback:
+            self._sender_residual.add_(sent).sub_(self._flat)
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of a flat buffer shaped like the averaged tensors."""
@@ -389,9 +391,9 @@ class _OneBitAllReduceRunner(AllReduceRunner):
     """hivemind's butterfly all-reduce with validated inputs and a shared, error-fed 1-bit return trip.
 
     Outputs are the averaged values themselves (hivemind's runner yields deltas); a failed reducer's span is
-    zero. `tensors` must be views of one flat buffer: a part's storage offset is then its position in the
-    model, which indexes the reducer residual (None: no reducer error feedback) whichever span this peer
-    reduces in a round.
+    zero, and `lost_spans` says where. `tensors` must be views of one flat buffer: a part's storage offset is
+    then its position in the model, which locates lost spans and indexes the reducer residual (None: no
+    reducer error feedback) whichever span this peer reduces in a round.
     """
 
     def __init__(
@@ -410,6 +412,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         self._own_norms = [float(part.norm()) for part in self.parts_for_local_averaging]
         self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
         self._sent_parts: dict[int, list[tuple[torch.Size, float]]] = {}  # peer index -> (shape, norm) we sent
+        self.lost_spans: list[tuple[int, int]] = []  # [start, end) in the flat vector of parts nobody averaged
 
     # -- reducer side --
 
@@ -483,7 +486,12 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.info("no average from %s for its span this round: %r", peer_id, e)
-            self.tensor_part_container.register_failed_reducer(peer_index)
+            # The parts this reducer never answered stay zero in the result; remember where they are.
+            container = self.tensor_part_container  # hivemind 1.1.12 internals (pinned): parts not yet answered
+            answered = container._outputs_registered_by_peer[peer_index]
+            unanswered = itertools.islice(container._input_parts_by_peer[peer_index], answered, None)
+            self.lost_spans.extend((p.storage_offset(), p.storage_offset() + p.numel()) for p, _ in unanswered)
+            container.register_failed_reducer(peer_index)
             raise
 
     async def _reduce_own_parts(self, peer_index: int) -> None:

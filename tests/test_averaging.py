@@ -163,6 +163,7 @@ def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
     with swarm(codecs, part_size_bytes=64) as averagers:  # ~17 parts of 512 values: a few per peer
         pending = [a.start_round(g, tokens=t) for a, g, t in zip(averagers, grads, tokens)]
         first, second = [p.result(timeout=40) for p in pending[:2]]  # the bad peers' fate does not matter
+        first_state = averagers[0].error_feedback_state()
     for outcome in (first, second):
         assert outcome.error is None and outcome.group_size == len(codecs)
         assert all(bool(torch.isfinite(t).all()) for t in outcome.averaged)
@@ -175,6 +176,13 @@ def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
     reduced = got != 0
     assert 0.2 < float(reduced.float().mean()) < 0.6
     assert float((got[reduced] - want[reduced]).norm() / want[reduced].norm()) < 1e-2
+    # Error feedback: an honest sender still owes exactly what no honest reducer averaged (all of its pseudo-
+    # gradient there), and elsewhere only what the 1-bit message could not carry.
+    mine = torch.cat([g.view(-1) for g in grads[0]])
+    owed = first_state["sender"]
+    torch.testing.assert_close(owed[~reduced], mine[~reduced], rtol=0, atol=1e-9)
+    sent = torch.cat([onebit(g).view(-1) for g in grads[0]])
+    torch.testing.assert_close(owed[reduced], (mine - sent)[reduced], rtol=0, atol=1e-9)
 
 
 DOOMED_PEER = textwrap.dedent(
