@@ -388,7 +388,7 @@ class SwarmAverager(DecentralizedAverager):
 
 
 class _OneBitAllReduceRunner(AllReduceRunner):
-    """hivemind's butterfly all-reduce with validated inputs and a shared, error-fed 1-bit return trip.
+    """hivemind's butterfly all-reduce with validated inputs and one shared 1-bit answer per part.
 
     Outputs are the averaged values themselves (hivemind's runner yields deltas); a failed reducer's span is
     zero, and `lost_spans` says where. `tensors` must be views of one flat buffer: a part's storage offset is
