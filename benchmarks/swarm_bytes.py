@@ -1,9 +1,8 @@
-"""Bytes on the wire per averaging round, 1-bit codec vs hivemind's codecs; block-size sweep; GPU pack speed.
+"""Bytes on the wire per averaging round, 1-bit codec vs hivemind's codecs; block-size sweep.
 
     python benchmarks/swarm_bytes.py wire [--dims e768h12d18w1024] [--peers 4]
     python benchmarks/swarm_bytes.py live [--dims e256h4d8w256] [--peers 2] [--rounds 2]
     python benchmarks/swarm_bytes.py blocks --data PATH/tinyshakespeare.txt
-    python benchmarks/swarm_bytes.py gpu            # on a CUDA machine
 
 `wire`: one round of hivemind's butterfly all-reduce among `--peers` peers with equal bandwidth, for the
 tensor shapes of the given model (built on the meta device: no memory, no weights). Every message a peer
@@ -21,7 +20,7 @@ and took off the wire (`RoundOutcome.bytes_sent` / `bytes_received`, protobuf le
 `blocks`: relative L2 error of sign x block-scale on a real pseudo-gradient (a small model trained a few
 AdamW steps on the given text), for several block sizes and scale dtypes, with the bits per value each costs.
 
-`gpu`: the fused error-feedback pack and the unpack kernel in GB/s next to a device copy, several sizes.
+The pack kernel's speed on a GPU is measured by `benchmarks/onebit_pack.py`.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import CompressionInfo, Float16Compression, Uniform8BitQuantization
 from hivemind.proto import averaging_pb2
 
-from tscale_p2p.kernels.onebit import error_feedback_pack_triton, pack, unpack, unpack_triton
+from tscale_p2p.kernels.onebit import pack, unpack
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec
 
@@ -187,37 +186,6 @@ def blocks(args) -> None:
             print(f"{block:>6} {scale_name:>6} {1 + scale_bits / block:>11.4f} {error:>14.4f}")
 
 
-def gpu(args) -> None:
-    import triton.testing
-
-    assert torch.cuda.is_available(), "gpu mode needs CUDA"
-    print(f"device: {torch.cuda.get_device_name()}")
-    print(f"{'values':>12} {'copy GB/s':>10} {'ef-pack GB/s':>13} {'% of copy':>10} {'unpack GB/s':>12} {'rows':>5}")
-    for log_size in (24, 26, 28):
-        n = 2**log_size
-        x = torch.randn(n, device="cuda")
-        residual = torch.zeros(n, device="cuda")
-        out = torch.empty_like(x)
-        copy_ms = triton.testing.do_bench(lambda: out.copy_(x))
-        copy_gbs = 8 * n / copy_ms / 1e6
-        best = None
-        for rows in (1, 2, 4, 8, 16, 32):
-            ms = triton.testing.do_bench(lambda: error_feedback_pack_triton(x, residual, BLOCK_SIZE, rows))
-            if best is None or ms < best[0]:
-                best = (ms, rows)
-        ms, rows = best
-        # reads x and residual, writes residual, signs (n/8) and bf16 scales (2n/block)
-        pack_bytes = 12 * n + n / 8 + 2 * n / BLOCK_SIZE
-        pack_gbs = pack_bytes / ms / 1e6
-        signs, scales = error_feedback_pack_triton(x, residual, BLOCK_SIZE)
-        unpack_ms = triton.testing.do_bench(lambda: unpack_triton(signs, scales, n, BLOCK_SIZE))
-        unpack_gbs = (4 * n + n / 8 + 2 * n / BLOCK_SIZE) / unpack_ms / 1e6
-        print(
-            f"{n:>12} {copy_gbs:>10.0f} {pack_gbs:>13.0f} {100 * pack_gbs / copy_gbs:>9.0f}% "
-            f"{unpack_gbs:>12.0f} {rows:>5}"
-        )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -230,10 +198,9 @@ def main() -> None:
     live_parser.add_argument("--rounds", type=int, default=2)
     blocks_parser = sub.add_parser("blocks", help="error vs block size on a real pseudo-gradient")
     blocks_parser.add_argument("--data", required=True, help="a text file (e.g. tinyshakespeare.txt)")
-    sub.add_parser("gpu", help="pack kernel GB/s vs copy bandwidth (CUDA)")
     args = parser.parse_args()
     started = time.perf_counter()
-    dict(wire=wire, live=live, blocks=blocks, gpu=gpu)[args.mode](args)
+    dict(wire=wire, live=live, blocks=blocks)[args.mode](args)
     print(f"({time.perf_counter() - started:.1f} s)")
 
 
