@@ -8,9 +8,10 @@ Three ways to spend the same tokens on the same transformer, each peer drawing i
                          SwarmAverager's 1-bit all-reduce with error feedback both ways, rounds applied one
                          round late), each `--steps` local steps, all started together against a stock
                          `hivemind-dht` bootstrap node. Scored: the global weights each peer saved on exit.
-- DiLoCo, uncompressed   the same rounds in one process, synchronous, exact mean of the pseudo-gradients,
-                         the same outer Nesterov SGD (peers/outer.py). What the swarm would reach with a
-                         perfect network and no compression.
+- DiLoCo, uncompressed   the same rounds in one process, exact mean of the pseudo-gradients, the same
+                         outer Nesterov SGD (peers/outer.py): applied one round late as the swarm does
+                         (DelayedOuterStep), and synchronously. What the swarm would reach with a perfect
+                         network (every peer in every round) and no compression.
 - one process            a single trainer with a `--peers` times larger batch, every step.
 
 Reported: validation loss (nats/token, the trainer's fixed eval windows) and the gap to the last row, plus
@@ -32,11 +33,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tscale_p2p.checkpoint import resume_from
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.join import initial_weights
-from tscale_p2p.peers.outer import OuterOptimizer
+from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
 from tscale_p2p.trainer import Trainer
 
@@ -78,24 +80,36 @@ def one_process(args) -> tuple[float, int]:
     return trainer.evaluate().loss, trainer.tokens_seen
 
 
-def diloco_uncompressed(args) -> tuple[float, int]:
+def diloco_uncompressed(args, one_round_late: bool) -> tuple[float, int]:
+    """In-process DiLoCo rounds with the exact mean; `one_round_late` applies it as the swarm does."""
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
-    names = [n for n, _ in peers[0].model.named_parameters()]
-    outer = OuterOptimizer(peers[0].snapshot(), args.outer_lr, args.outer_momentum)
+    outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum) for t in peers]  # identical copies
+    rounds = [DelayedOuterStep(outer) for outer in outers]
+    previous = None
     for start in range(0, args.steps, args.inner_steps):
         deltas = []
-        for trainer in peers:
+        for trainer, bookkeeping in zip(peers, rounds):
             for _ in range(min(args.inner_steps, args.steps - start)):
                 trainer.local_step()
-            weights = trainer.snapshot()
-            deltas.append({n: outer.weights[n] - weights[n] for n in names})
-        outer.step({n: torch.stack([d[n] for d in deltas]).mean(0) for n in names})
-        for trainer in peers:
-            trainer.apply_outer_update(outer.weights)
-    return val_loss(args, outer.weights), sum(t.tokens_seen for t in peers)
+            now = trainer.snapshot()
+            if one_round_late:
+                weights, delta = bookkeeping.finish_round(now, previous)
+                trainer.apply_outer_update(weights)
+            else:  # synchronous: every peer restarts from the new global weights
+                delta = {n: w - now[n] for n, w in bookkeeping.round_start.items()}
+            deltas.append(delta)
+        previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
+        if not one_round_late:
+            for trainer, outer, bookkeeping in zip(peers, outers, rounds):
+                outer.step(previous)
+                bookkeeping.round_start = {n: w.clone() for n, w in outer.weights.items()}
+                trainer.apply_outer_update(outer.weights)
+    if one_round_late:  # the last average arrives after training: apply it
+        outers[0].step(previous)
+    return val_loss(args, outers[0].weights), sum(t.tokens_seen for t in peers)
 
 
-def swarm(args, work: Path) -> tuple[list[float], int, list[str]]:
+def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str]]:
     """All peers start together against a stock `hivemind-dht` bootstrap node, with the same flags."""
     bootstrap_log = work / "bootstrap.log"
     bootstrap = subprocess.Popen([str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs",
@@ -123,9 +137,10 @@ def swarm(args, work: Path) -> tuple[list[float], int, list[str]]:
     finally:
         for process in processes:
             process.kill()
-    losses = [val_loss(args, _global_weights(work / f"peer{i}", args)) for i in range(args.peers)]
+    global_losses = [val_loss(args, _global_weights(work / f"peer{i}", args)) for i in range(args.peers)]
+    local_losses = [_local_loss(work / f"peer{i}", args) for i in range(args.peers)]
     tokens = sum(_tokens(log.read_text()) for log in logs)
-    return losses, tokens, [log.read_text() for log in logs]
+    return global_losses, local_losses, tokens, [log.read_text() for log in logs]
 
 
 def _wait_for(log: Path, pattern: str, process: subprocess.Popen, timeout: float = 120) -> str:
@@ -145,6 +160,13 @@ def _global_weights(out: Path, args) -> dict[str, torch.Tensor]:
     return dict(zip(names, tensors[: len(names)]))
 
 
+def _local_loss(out: Path, args) -> float:
+    """Val loss of a peer's own last weights (its checkpoint: global weights + its unaveraged last round)."""
+    trainer = trainer_for(args, args.batch_size, 0)
+    resume_from(out).restore(trainer.model)
+    return trainer.evaluate().loss
+
+
 def _tokens(log: str) -> int:
     found = re.search(r"(\d+) tokens contributed", log)
     return int(found.group(1)) if found else 0
@@ -160,7 +182,7 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=25)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-lr", type=float, default=0.35)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--eval-batches", type=int, default=40)
@@ -173,13 +195,18 @@ def main() -> None:
     started = time.perf_counter()
     if not args.skip_swarm:
         with tempfile.TemporaryDirectory() as work:
-            losses, tokens, logs = swarm(args, Path(work))
+            global_losses, local_losses, tokens, logs = swarm(args, Path(work))
         full = sum(len(re.findall(rf"averaged with {args.peers - 1} peer", log)) for log in logs) / args.peers
         rounds = sum(len(re.findall(r"round \d+: averaged", log)) for log in logs) / args.peers
-        rows.append((f"swarm, 1-bit async ({args.peers} processes; {full:.1f} of {rounds:.1f} rounds/peer with all)",
-                     sum(losses) / len(losses), tokens, f"peers {', '.join(f'{x:.4f}' for x in losses)}"))
-    loss, tokens = diloco_uncompressed(args)
-    rows.append(("DiLoCo, uncompressed, synchronous", loss, tokens, ""))
+        name = f"swarm, 1-bit async ({args.peers} processes; {full:.1f} of {rounds:.1f} rounds/peer with all)"
+        rows.append((f"{name}: global weights", sum(global_losses) / args.peers, tokens,
+                     f"per peer {', '.join(f'{x:.4f}' for x in global_losses)}"))
+        rows.append((f"{name}: each peer's last weights", sum(local_losses) / args.peers, tokens,
+                     f"per peer {', '.join(f'{x:.4f}' for x in local_losses)}"))
+    loss, tokens = diloco_uncompressed(args, one_round_late=True)
+    rows.append(("DiLoCo, uncompressed, one round late (in one process)", loss, tokens, ""))
+    loss, tokens = diloco_uncompressed(args, one_round_late=False)
+    rows.append(("DiLoCo, uncompressed, synchronous (in one process)", loss, tokens, ""))
     loss, tokens = one_process(args)
     rows.append((f"one process, batch {args.peers * args.batch_size}", loss, tokens, ""))
     reference = rows[-1][1]

@@ -51,7 +51,8 @@ from tscale_p2p.trainer import resolve_device
 log = logging.getLogger(__name__)
 
 DEFAULT_INNER_STEPS = 100
-DEFAULT_OUTER_LR = 0.7  # DiLoCo's outer Nesterov SGD
+# DiLoCo uses 0.7 synchronously; one round late, 0.35 converged best (benchmarks/RESULTS.md, return-trip table).
+DEFAULT_OUTER_LR = 0.35
 DEFAULT_OUTER_MOMENTUM = 0.9
 STATE_DOWNLOAD_ATTEMPTS = 3
 
