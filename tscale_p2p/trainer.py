@@ -36,8 +36,6 @@ PEAK_BF16_FLOPS = {
 
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when available; asking for CUDA on a machine without it is a user error."""
-    from tscale_p2p.errors import UserError
-
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
@@ -119,7 +117,8 @@ class Trainer:
 
             convert_linears(self.model, self.precision)
         self.optimizer = self._make_optimizer()
-        self.model.to(device)  # buffers (the offloaded parameters are already there)
+        if self.offloaded:
+            self.model.to(device)  # the buffers: the offloaded optimizer has placed the parameters
         self.forward = self._compiled() if device.type == "cuda" and cfg.compile else self.model
         self.train_batches = corpus.batches("train", cfg.batch_size, self.context, seed=cfg.seed, device=device)
         self.step = 0
