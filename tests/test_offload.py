@@ -66,8 +66,8 @@ def test_offloaded_run_matches_an_ordinary_run(corpus, tmp_path, grad_accum, acc
 
 def test_activation_checkpointing_changes_nothing_but_memory(corpus, tmp_path):
     plain, recomputed = tmp_path / "plain", tmp_path / "recomputed"
-    assert train(plain, corpus, steps=3) == 0
-    assert train(recomputed, corpus, "--activation-checkpointing", *OFFLOAD, steps=3) == 0
+    assert train(plain, corpus, "--grad-accum", "2", steps=3) == 0
+    assert train(recomputed, corpus, "--grad-accum", "2", "--activation-checkpointing", *OFFLOAD, steps=3) == 0
     assert same(weights(plain), weights(recomputed))
 
 
