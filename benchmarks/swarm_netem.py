@@ -161,7 +161,7 @@ def main() -> None:
     finally:
         tear_down(args.peers)
 
-    print(f"{args.peers} peers, links: {shaping} (ping: {rtt:.1f} ms), model {args.model}, "
+    print(f"{args.peers} peers, links: {shaping} (TCP round trip: {rtt:.2f} ms), model {args.model}, "
           f"batch {args.batch_size}, H={args.inner_steps}, {args.steps} steps per peer, matchmaking {args.matchmaking_time} s")
     print("| peer | rounds (with others / alone) | round time median (s) | max (s) | KiB sent/round | busy fraction |")
     print("| --- | --- | --- | --- | --- | --- |")
