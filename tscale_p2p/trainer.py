@@ -64,7 +64,8 @@ def limit_gpu_memory(gib: float | None, device: torch.device) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     if gib * 2**30 > total:
         raise UserError(f"--gpu-memory-limit {gib:g} GiB is more than the {total / 2**30:.1f} GiB of this GPU")
-    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, index)
 
 
 def is_matrix(name: str, param: torch.Tensor) -> bool:
