@@ -15,15 +15,6 @@ from tscale_p2p.generate_cli import add_infer_parser, add_serve_parser
 
 PROG = "tscale-peer"
 
-_CHOICES = {
-    "precision": ("auto", "fp32", "bf16", "fp8", "int8"),
-    "device": ("auto", "cpu", "cuda"),
-    "schedule": ("cosine", "wsd"),
-    "window_schedule": ("tscale", "dense"),
-    "mlp": ("relu2", "swiglu"),
-}
-
-
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with our one-line error format and exit code 2."""
 
@@ -50,9 +41,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, .
             parser.add_argument(
                 flag,
                 type=kinds[0],
-                choices=_CHOICES.get(f.name),
+                choices=f.metadata.get("choices"),
                 default=argparse.SUPPRESS,
-                metavar=f.name.upper() if f.name not in _CHOICES else None,
+                metavar=None if "choices" in f.metadata else f.name.upper(),
                 help=help_text,
             )
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from tscale_p2p.errors import UserError
+from tscale_p2p.model import MLP_KINDS, WINDOW_SCHEDULES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,15 +36,15 @@ class TrainConfig:
 
     data: str = field(default="stdlib", metadata={"help": "training text: stdlib, a file, a folder, a .bin, or hf:NAME"})
     model: str | None = field(default=None, metadata={"help": "model dims such as e384h6d6w256 (default: e128h4d4w256 on CPU, e768h12d12w1024 on GPU)"})
-    window_schedule: str = field(default="tscale", metadata={"help": "attention windows: tscale (short/full alternation) or dense"})
-    mlp: str = field(default="relu2", metadata={"help": "MLP kind: relu2 or swiglu"})
+    window_schedule: str = field(default="tscale", metadata={"choices": WINDOW_SCHEDULES, "help": "attention windows: tscale (short/full alternation) or dense"})
+    mlp: str = field(default="relu2", metadata={"choices": MLP_KINDS, "help": "MLP kind: relu2 or swiglu"})
     dropout: float = field(default=0.0, metadata={"help": "residual dropout"})
-    precision: str = field(default="auto", metadata={"help": "matmul precision: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp8, int8"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    precision: str = field(default="auto", metadata={"choices": PRECISIONS, "help": "matmul precision: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp8, int8"})
+    device: str = field(default="auto", metadata={"choices": DEVICES, "help": "auto, cpu or cuda"})
     compile: bool = field(default=True, metadata={"help": "torch.compile the model on CUDA"})
-    offload: str = field(default="none", metadata={"help": "none, or optimizer: fp32 master weights and AdamW state in host RAM, the CPU runs the optimizer, the GPU keeps only working (bf16) weights"})
+    offload: str = field(default="none", metadata={"choices": OFFLOAD_MODES, "help": "none, or optimizer: fp32 master weights and AdamW state in host RAM, the CPU runs the optimizer, the GPU keeps only working (bf16) weights"})
     offload_delay: int = field(default=0, metadata={"help": "with --offload: apply each update this many steps late (0 or 1; 1 as in TScale hides the CPU optimizer behind a whole step)"})
-    offload_accumulate: str = field(default="device", metadata={"help": "with --offload and --grad-accum: sum micro-batch gradients on the device (bf16, +2 bytes/param of GPU memory, one transfer per step) or on the host (fp32, a transfer and host pass per micro-batch)"})
+    offload_accumulate: str = field(default="device", metadata={"choices": ACCUMULATE_ON, "help": "with --offload and --grad-accum: sum micro-batch gradients on the device (bf16, +2 bytes/param of GPU memory, one transfer per step) or on the host (fp32, a transfer and host pass per micro-batch)"})
     activation_checkpointing: bool = field(default=False, metadata={"help": "recompute each block in backward instead of keeping its activations"})
     gpu_memory_limit: float | None = field(default=None, metadata={"help": "cap this process's GPU memory at this many GiB, like a smaller card"})
     steps: int = field(default=2000, metadata={"help": "optimizer steps to train for"})
@@ -53,7 +54,7 @@ class TrainConfig:
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "final learning rate as a fraction of the peak"})
     warmup: int = field(default=100, metadata={"help": "learning-rate warm-up steps"})
-    schedule: str = field(default="cosine", metadata={"help": "decay after warm-up: cosine, or wsd (stable then a linear cool-down)"})
+    schedule: str = field(default="cosine", metadata={"choices": LR_SCHEDULES, "help": "decay after warm-up: cosine, or wsd (stable then a linear cool-down)"})
     cooldown_fraction: float = field(default=0.2, metadata={"help": "wsd: fraction of the steps spent cooling down"})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices only)"})
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
@@ -71,11 +72,12 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("device", self.device, DEVICES)
-        _choice("schedule", self.schedule, LR_SCHEDULES)
-        _choice("offload", self.offload, OFFLOAD_MODES)
-        _choice("offload-accumulate", self.offload_accumulate, ACCUMULATE_ON)
+        for f in fields(self):
+            if "choices" in f.metadata and getattr(self, f.name) not in f.metadata["choices"]:
+                raise UserError(
+                    f"invalid {f.name.replace('_', '-')} {getattr(self, f.name)!r}; "
+                    f"choose one of {', '.join(f.metadata['choices'])}"
+                )
         if self.offload_delay not in (0, 1):
             raise UserError(f"offload-delay must be 0 or 1, got {self.offload_delay}")
         if self.offload_delay and self.offload == "none":
@@ -98,11 +100,6 @@ class TrainConfig:
         """Read a TOML file whose keys are the flag names (dashes or underscores); `overrides` win."""
         values = read_toml_section(path, cls)
         return cls(**{**values, **overrides})
-
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise UserError(f"invalid {name} {value!r}; choose one of {', '.join(choices)}")
 
 
 def field_types(cls) -> dict[str, tuple[type, ...]]:
