@@ -73,12 +73,20 @@ def add_peers_parser(commands) -> None:
 
 
 def run_join(args: argparse.Namespace) -> int:
-    from tscale_p2p.peers.join import JoinOptions, join
+    from tscale_p2p.peers.join import join
+
+    return join(*join_inputs(args))
+
+
+def join_inputs(args: argparse.Namespace):
+    """(TrainConfig, explicit settings, JoinOptions) for `peers.join.join` from parsed `join` flags; raises
+    UserError for bad values. The dashboard uses it too, to run `join` in a worker thread with its status."""
+    from tscale_p2p.peers.join import JoinOptions
     from tscale_p2p.peers.network import NetworkOptions, host_maddrs_for, parse_multiaddrs
     from tscale_p2p.peers.run_config import check_run_id
 
     run_id = check_run_id(args.run_id)
-    explicit = _explicit_settings(args)
+    explicit = explicit_settings(args)
     cfg = train_config_from_args(args)
     if "out" not in explicit:
         cfg = replace(cfg, out=str(Path("runs") / run_id))
@@ -107,10 +115,10 @@ def run_join(args: argparse.Namespace) -> int:
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
     )
-    return join(cfg, explicit, options)
+    return cfg, explicit, options
 
 
-def _explicit_settings(args: argparse.Namespace) -> dict:
+def explicit_settings(args: argparse.Namespace) -> dict:
     """Settings the user chose (TOML file, then flags): these must agree with a run being joined."""
     explicit = read_toml_section(args.config, TrainConfig) if args.config else {}
     explicit.update({f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})

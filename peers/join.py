@@ -98,12 +98,16 @@ def join(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalSt
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
         # hivemind logs a traceback for every round that finds no group; our loop reports it in one line.
         logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
-    handler = status.log_handler()
-    logging.getLogger("tscale_p2p").addHandler(handler)
+    package_logger, handler = logging.getLogger("tscale_p2p"), status.log_handler()
+    previous_level = package_logger.level
+    if not package_logger.isEnabledFor(logging.INFO):  # the status's log lines need INFO records
+        package_logger.setLevel(logging.INFO)
+    package_logger.addHandler(handler)
     try:
         return _join_until_stopped(cfg, explicit, options, status)
     finally:
-        logging.getLogger("tscale_p2p").removeHandler(handler)
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(previous_level)
 
 
 def _join_until_stopped(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus) -> int:
@@ -160,7 +164,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
     client_mode = options.network.client_mode
 
     def make_averager(template, state_source):
-        return SwarmAverager(
+        averager = SwarmAverager(
             template,
             dht,
             prefix=f"{options.run_id}_grad",
@@ -169,7 +173,14 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             state_source=state_source,
             client_mode=client_mode,
             allow_state_sharing=False,  # switched on once this peer holds the swarm's state
+            start=False,
         )
+        # Not run_in_background(): it sets SIGINT to "ignore" in *this* process (Ctrl+C would stop working,
+        # and it raises outside the main thread, where the dashboard runs us). Our fork hook already makes
+        # the averager's process ignore SIGINT.
+        averager.start()
+        averager.wait_until_ready()
+        return averager
 
     peer = SwarmPeer(
         trainer,

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tscale_p2p.cli import main
+from tscale_p2p.cli import build_parser, main
+from tscale_p2p.peers.cli import join_inputs
+from tscale_p2p.peers.join import join
+from tscale_p2p.peers.status import LocalStatus
 
 pytestmark = [pytest.mark.slow]
 
@@ -126,9 +130,10 @@ def rounds(log: str) -> dict[int, tuple[int, str | None]]:
 
 
 def stop_all(peers: list[Process], timeout: float = 60) -> None:
-    """SIGTERM (what Ctrl+C does) to every peer at once; each finishes its round, saves and exits 0."""
-    for peer in peers:
-        peer.popen.send_signal(signal.SIGTERM)
+    """Ctrl+C (SIGINT) to the first peer, SIGTERM to the others, at once: each finishes its round, saves and
+    exits 0."""
+    for number, peer in enumerate(peers):
+        peer.popen.send_signal(signal.SIGINT if number == 0 else signal.SIGTERM)
     for peer in peers:
         assert peer.wait(timeout) == 0, peer.output()[-3000:]
 
@@ -247,3 +252,39 @@ def test_a_restarted_peer_keeps_its_id_run_and_swarm_state(spawn, tmp_path, text
     assert "continuing run 'again'" in log and "model e32h2d2w64" in log
     assert f"continuing from the saved swarm state of round {rounds_done}" in log
     assert re.search(r"step 16  round", log)  # 12 steps before, 4 now
+
+
+@pytest.mark.timeout(120)
+def test_join_in_a_thread_obeys_the_dashboards_pause_and_stop(tmp_path, text_file, monkeypatch):
+    """The dashboard runs `join` in a worker thread and drives it only through `LocalStatus`."""
+    monkeypatch.chdir(tmp_path)
+    flags = join_flags("threaded", text_file, "--run-id", "threaded", *TINY, "--inner-steps", "5",
+                       "--matchmaking-time", "0.5", "--averaging-timeout", "1")
+    cfg, explicit, options = join_inputs(build_parser().parse_args(flags))
+    status = LocalStatus()
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(code=join(cfg, explicit, options, status)))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while status.snapshot().step < 10 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        snap = status.snapshot()
+        assert snap.step >= 10 and snap.run_id == "threaded" and snap.precision == "fp32" and snap.inner_steps == 5
+        assert snap.loss is not None and snap.tokens_per_s > 0 and any("step" in line for line in snap.log_lines)
+        status.paused.set()
+        time.sleep(1.0)
+        paused_at = status.snapshot().step
+        time.sleep(1.5)
+        assert status.snapshot().step == paused_at and status.snapshot().paused
+        status.paused.clear()
+        deadline = time.monotonic() + 30
+        while status.snapshot().step <= paused_at and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status.snapshot().step > paused_at
+        assert status.snapshot().round >= 1 and status.snapshot().averaging
+    finally:
+        status.stop_requested.set()
+        worker.join(60)
+    assert not worker.is_alive() and result["code"] == 0
+    assert (tmp_path / "threaded" / "swarm-state.safetensors").exists()
