@@ -12,14 +12,9 @@ import hivemind
 import pytest
 import torch
 
-# Importing the peers package builds the 1-bit Triton kernels; without CUDA they must be built for the
-# interpreter (see test_codec.py), whichever test module imports them first.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from tscale_p2p.kernels.onebit import pack, unpack  # noqa: E402
-from tscale_p2p.peers.averaging import SwarmAverager  # noqa: E402
-from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec  # noqa: E402
+from tscale_p2p.kernels.onebit import pack, unpack
+from tscale_p2p.peers.averaging import SwarmAverager
+from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 

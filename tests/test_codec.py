@@ -1,26 +1,20 @@
 """OneBitCodec and the 1-bit pack kernels: wire size, round trip, error feedback, Triton vs torch."""
 
-import os
 
 import pytest
 import torch
 
-# The Triton kernels are built at import time; without CUDA they must be built for the interpreter, so this
-# has to happen before tscale_p2p.kernels.onebit is first imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
 
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
-from hivemind.proto import runtime_pb2  # noqa: E402
-
-from tscale_p2p.kernels.onebit import (  # noqa: E402
+from tscale_p2p.kernels.onebit import (
     error_feedback_pack,
     error_feedback_pack_triton,
     pack,
     unpack,
     unpack_triton,
 )
-from tscale_p2p.peers.codec import (  # noqa: E402
+from tscale_p2p.peers.codec import (
     BLOCK_SIZE,
     ONEBIT_COMPRESSION_TYPE,
     MalformedTensorError,

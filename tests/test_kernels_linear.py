@@ -1,24 +1,20 @@
 """Fp8Linear / Int8Linear against nn.Linear, the weight cache, convert_linears and resolve_precision.
 
-Without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set before Triton is first imported).
+Without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set in conftest.py, before Triton is first imported).
 Bounds: a linear layer's output and both gradients carry two quantization errors in quadrature (see
 test_kernels_quantize.py): e4m3 ~3.5% RMS, int8 ~1%; the bounds below leave about 2x headroom.
 """
 
 import logging
-import os
 
 import pytest
 import torch
 from torch import nn
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from tscale_p2p.errors import UserError  # noqa: E402
-from tscale_p2p.kernels import convert_linears, resolve_precision  # noqa: E402
-from tscale_p2p.kernels.linear import Fp8Linear, Int8Linear, QuantizedLinear  # noqa: E402
-from tscale_p2p.kernels.quantize import quantize_rows  # noqa: E402
+from tscale_p2p.errors import UserError
+from tscale_p2p.kernels import convert_linears, resolve_precision
+from tscale_p2p.kernels.linear import Fp8Linear, Int8Linear, QuantizedLinear
+from tscale_p2p.kernels.quantize import quantize_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {"fp8": 0.07, "fp8-e5m2": 0.14, "int8": 0.025}

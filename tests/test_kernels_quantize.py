@@ -1,6 +1,6 @@
 """Quantize and scaled-GEMM kernels against float64 torch references.
 
-Without CUDA the real Triton kernels run under TRITON_INTERPRET=1 (set before Triton is first imported) at
+Without CUDA the real Triton kernels run under TRITON_INTERPRET=1 (set in conftest.py, before Triton is first imported) at
 small sizes, including shapes that are not multiples of any block; with CUDA the same checks run compiled, and
 the `gpu` tests repeat them at model sizes.
 
@@ -16,16 +16,11 @@ Error bounds (relative Frobenius norm unless said otherwise), from the formats' 
   < 6% for e4m3 and < 2% for int8 on Gaussian data.
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from tscale_p2p.kernels.gemm import scaled_mm, scaled_mm_reference  # noqa: E402
-from tscale_p2p.kernels.quantize import (  # noqa: E402
+from tscale_p2p.kernels.gemm import scaled_mm, scaled_mm_reference
+from tscale_p2p.kernels.quantize import (
     FORMATS,
     TILE,
     dequantize,

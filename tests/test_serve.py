@@ -207,7 +207,7 @@ def test_serve_cli_serves_a_checkpoint_until_interrupted(model, tmp_path):
         assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 16
         connection.close()
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0
+        assert process.wait(timeout=60) == 0
     finally:
         if process.poll() is None:
             process.kill()
