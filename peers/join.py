@@ -156,7 +156,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
         device=identity.device,
         visible_maddrs=identity.visible_maddrs,
         precision=trainer.precision,
-        offload=bool(getattr(cfg, "offload", False)),  # the offload flag arrives with the offload issue
+        offload=cfg.offload != "none",
         inner_steps=run.inner_steps,
         max_steps=options.max_steps,
         step=trainer.step,

@@ -187,6 +187,7 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     records = {record["name"]: record for record in json.loads(capsys.readouterr().out)}
     assert set(records) == {"a", "b", "c"}
     assert records["a"]["step"] > 0 and records["a"]["device"] == "cpu" and records["a"]["precision"] == "fp32"
+    assert records["a"]["offload"] is False and records["a"]["relayed"] is False
     assert records["b"]["round"] >= 2 and records["b"]["bytes_sent"] > 0 and records["b"]["last_averaging"]
 
     for flags, named in ((["--model", "e64h2d2w64"], "--model e64h2d2w64 contradicts"),
