@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -112,8 +113,10 @@ def diloco_uncompressed(args, one_round_late: bool) -> tuple[float, int]:
 def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str]]:
     """All peers start together against a stock `hivemind-dht` bootstrap node, with the same flags."""
     bootstrap_log = work / "bootstrap.log"
+    # In its own session: hivemind-dht forks its DHT process and p2pd, and all of them must go at the end.
     bootstrap = subprocess.Popen([str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs",
-                                  "/ip4/127.0.0.1/tcp/0"], stdout=open(bootstrap_log, "wb"), stderr=subprocess.STDOUT)
+                                  "/ip4/127.0.0.1/tcp/0"], stdout=open(bootstrap_log, "wb"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)
     flags = [
         "--data", args.data, "--device", "cpu", "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
         "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time", str(args.matchmaking_time),
@@ -135,8 +138,10 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str]]:
             if process.wait(timeout=args.timeout) != 0:
                 raise SystemExit(f"a peer failed; logs in {work}")
     finally:
-        for process in processes:
+        for process in processes[1:]:
             process.kill()
+        os.killpg(bootstrap.pid, signal.SIGKILL)
+        bootstrap.wait()
     global_losses = [val_loss(args, _global_weights(work / f"peer{i}", args)) for i in range(args.peers)]
     local_losses = [_local_loss(work / f"peer{i}", args) for i in range(args.peers)]
     tokens = sum(_tokens(log.read_text()) for log in logs)
