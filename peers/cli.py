@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -73,9 +74,19 @@ def add_peers_parser(commands) -> None:
 
 
 def run_join(args: argparse.Namespace) -> int:
+    """Train in the swarm: behind the dashboard on a terminal, with plain log lines otherwise (or --no-tui)."""
     from tscale_p2p.peers.join import join
+    from tscale_p2p.peers.status import LocalStatus
 
-    return join(*join_inputs(args))
+    cfg, explicit, options = join_inputs(args)
+    status = LocalStatus()
+    if args.no_tui or not sys.stdout.isatty():
+        return join(cfg, explicit, options, status)
+    from tscale_p2p.tui.app import run_dashboard_while  # peers must not import the tui at module level
+
+    return run_dashboard_while(
+        lambda: join(cfg, explicit, options, status), status, options.run_id, options.network.initial_peers
+    )
 
 
 def join_inputs(args: argparse.Namespace):
