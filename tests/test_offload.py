@@ -24,19 +24,6 @@ TINY = ["--model", "e32h2d2w32", "--batch-size", "4", "--device", "cpu", "--log-
 OFFLOAD = ["--offload", "optimizer"]
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TSCALE_CACHE_DIR", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    path = tmp_path / "corpus.txt"
-    lines = [f"the {animal} sat on the {thing}.\n" for animal in ("cat", "dog", "cow", "fox") for thing in ("mat", "log", "hat")]
-    path.write_text("".join(lines) * 60)
-    return path
-
-
 def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint(find_latest(out)).model_state
 

@@ -16,19 +16,6 @@ from tscale_p2p.cli import main
 TINY = ["--model", "e32h2d2w32", "--batch-size", "4", "--device", "cpu", "--log-every", "5", "--eval-batches", "2"]
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TSCALE_CACHE_DIR", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    path = tmp_path / "corpus.txt"
-    lines = [f"the {animal} sat on the {thing}.\n" for animal in ("cat", "dog", "cow", "fox") for thing in ("mat", "log", "hat")]
-    path.write_text("".join(lines) * 60)
-    return path
-
-
 def snapshot_tree(root: Path) -> dict:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in sorted(root.rglob("*"))} if root.exists() else {}
 
