@@ -13,9 +13,10 @@ from tscale_p2p.kernels.precision import PRECISIONS
 def add_infer_parser(commands) -> None:
     infer = commands.add_parser(
         "infer",
-        help="generate text from a checkpoint",
-        description="Generate text from a checkpoint, streamed as it is produced, with tokens/s at the end. "
-        "Without --prompt: an interactive prompt (or, when stdin is not a terminal, all of stdin as one prompt).",
+        help="generate text from a checkpoint or a live swarm",
+        description="Generate text from a checkpoint (or the swarm's current model), streamed as it is produced, "
+        "with tokens/s at the end. Without --prompt: an interactive prompt (or, when stdin is not a terminal, "
+        "all of stdin as one prompt).",
     )
     _add_model_flags(infer)
     infer.add_argument("--prompt", help="text to continue (default: ask for it)")
@@ -34,7 +35,7 @@ def add_infer_parser(commands) -> None:
 def add_serve_parser(commands) -> None:
     serve = commands.add_parser(
         "serve",
-        help="serve a checkpoint over an OpenAI-compatible HTTP API",
+        help="serve a checkpoint (or a live swarm's model) over an OpenAI-compatible HTTP API",
         description="Serve /v1/completions (streaming too), /v1/models and /health. Requests that arrive "
         "together are generated as one batch.",
     )
@@ -46,22 +47,53 @@ def add_serve_parser(commands) -> None:
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+    source = parser.add_argument_group("model source (one of)")
+    source.add_argument("--checkpoint", metavar="DIR",
                         help="a run directory (its newest checkpoint) or one step-* directory")
+    source.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+                        help="fetch the swarm's current model from a live peer, through these multiaddrs")
+    source.add_argument("--run-id", metavar="NAME",
+                        help="with --initial-peers: which run (default: tscale, as for join)")
+    source.add_argument("--fetch-timeout", type=float, default=60.0, metavar="S",
+                        help="with --initial-peers: give up after S seconds without the model (default: 60)")
     parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--no-compile", dest="compile", action="store_false",
                         help="skip torch.compile / CUDA graphs (faster start, slower decoding)")
 
 
+def _load_model(args: argparse.Namespace):
+    """(model ready for inference, its name) from --checkpoint, or from a live swarm peer (--initial-peers)."""
+    from tscale_p2p.generate import load_model, prepare_for_inference
+
+    if (args.checkpoint is None) == (not args.initial_peers):
+        raise UserError("give exactly one of --checkpoint DIR and --initial-peers MADDR... (with --run-id NAME)")
+    if args.checkpoint is not None:
+        if args.run_id is not None:
+            raise UserError("--run-id goes with --initial-peers, not with --checkpoint")
+        return load_model(args.checkpoint, args.device, args.precision)
+    # The swarm is imported only here: the core does not depend on the network stack.
+    from tscale_p2p.peers.cli import DEFAULT_RUN_ID
+    from tscale_p2p.peers.fetch import fetch_swarm_model
+    from tscale_p2p.peers.network import parse_multiaddrs
+    from tscale_p2p.peers.run_config import check_run_id
+
+    initial_peers = parse_multiaddrs(args.initial_peers, "--initial-peers", need_peer_id=True)
+    run_id = check_run_id(args.run_id or DEFAULT_RUN_ID)
+    if not args.fetch_timeout > 0:
+        raise UserError(f"--fetch-timeout must be positive, got {args.fetch_timeout}")
+    fetched = fetch_swarm_model(initial_peers, run_id, args.fetch_timeout)
+    return prepare_for_inference(fetched.build(), args.device, args.precision), run_id
+
+
 def run_infer(args: argparse.Namespace) -> int:
-    from tscale_p2p.generate import GenerationEngine, SamplingParams, generate, load_model
+    from tscale_p2p.generate import GenerationEngine, SamplingParams, generate
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop=tuple(args.stop),
     )
-    model, _ = load_model(args.checkpoint, args.device, args.precision)
+    model, _ = _load_model(args)
     engine = GenerationEngine(model, slots=1, compile=None if args.compile else False)
 
     def complete(prompt: str) -> None:
@@ -99,12 +131,12 @@ def run_infer(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tscale_p2p.generate import GenerationEngine, load_model
+    from tscale_p2p.generate import GenerationEngine
     from tscale_p2p.serve import CompletionServer
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"port must be in 0..65535, got {args.port}")
-    model, model_id = load_model(args.checkpoint, args.device, args.precision)
+    model, model_id = _load_model(args)
     engine = GenerationEngine(model, slots=args.max_batch, compile=None if args.compile else False)
     server = CompletionServer(engine, model_id, args.host, args.port)
     print(f"serving {model_id!r} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)

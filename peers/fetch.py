@@ -1,0 +1,145 @@
+"""The swarm's current model, fetched from a live peer for inference (`tscale-peer infer/serve --initial-peers`).
+
+A dial-out-only DHT node reads the run's published config, then downloads what a joiner downloads (the global
+weights and outer momentum that `SwarmPeer.shared_state` serves) and keeps the weights. Nothing is trained and
+nothing is shared back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from tscale_p2p.errors import UserError
+from tscale_p2p.model import ModelConfig, Transformer
+from tscale_p2p.peers.averaging import SwarmAverager
+from tscale_p2p.peers.network import NetworkOptions, start_dht
+from tscale_p2p.peers.run_config import RunConfig, fetch_run_config
+from tscale_p2p.peers.swarm import SwarmPeer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SwarmModel:
+    """A run's model as a live peer holds it: the global weights after its last outer step."""
+
+    run_id: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # fp32, CPU, named as in `Transformer(config)`
+    round: int
+    step: int
+
+    def build(self) -> Transformer:
+        """A `Transformer` (fp32, CPU) holding these weights."""
+        model = Transformer(self.config)
+        model.load_state_dict(self.weights)
+        return model
+
+
+def fetch_swarm_model(initial_peers: Sequence[str], run_id: str, timeout: float = 60.0) -> SwarmModel:
+    """Connect through `initial_peers` (validated multiaddrs), read run `run_id`'s config and download its
+    current weights from the live peer that has applied the most rounds, with a progress display on stderr.
+    UserError (one line naming the run and the peers) if that does not succeed within `timeout` seconds."""
+    where = f"run {run_id!r} via {', '.join(initial_peers)}"
+    deadline = time.monotonic() + timeout
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        # hivemind logs a traceback for every peer that fails to send its state; we report the outcome in one line.
+        logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
+        task = progress.add_task(f"connecting to {where}", total=None)
+        network = NetworkOptions(
+            initial_peers=tuple(initial_peers),
+            host_maddrs=("/ip4/127.0.0.1/tcp/0",),  # dial-out only: nothing needs to reach us
+            client_mode=True,
+            retry_for_s=timeout,
+        )
+        try:
+            dht = start_dht(network)
+        except UserError as error:  # it names the peers already
+            raise UserError(f"run {run_id!r}: {error}") from None
+        try:
+            run = _wait_for_run_config(dht, run_id, deadline)
+            if run is None:
+                raise UserError(f"{where}: no peer has published this run's config within {timeout:g} s")
+            config = run.model_config
+            with torch.device("meta"):  # names and shapes only
+                template = dict(Transformer(config).named_parameters())
+            total = 2 * 4 * sum(p.numel() for p in template.values())  # fp32 weights + fp32 outer momentum
+            progress.update(task, total=total, description=f"downloading the model of run {run_id!r} ({config.dims})")
+            fetched = _download_weights(dht, run_id, run, template, deadline)
+            if fetched is None:
+                raise UserError(f"{where}: no live peer shared the run's model within {timeout:g} s")
+            weights, metadata = fetched
+            model = SwarmModel(run_id, config, weights, int(metadata.get("round", 0)), int(metadata.get("step", 0)))
+            progress.update(task, completed=total,
+                            description=f"downloaded run {run_id!r} ({config.dims}) at round {model.round}")
+        finally:
+            dht.shutdown()
+    return model
+
+
+def _wait_for_run_config(dht, run_id: str, deadline: float) -> RunConfig | None:
+    while True:
+        run = fetch_run_config(dht, run_id)
+        if run is not None or time.monotonic() >= deadline:
+            return run
+        time.sleep(1.0)
+
+
+def _download_weights(
+    dht, run_id: str, run: RunConfig, template: dict[str, torch.Tensor], deadline: float
+) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """(weights, metadata) from the first peer whose state fits the run, retrying until `deadline`; else None."""
+    # Downloading needs only the averager's state RPC: one value to "average" is enough, and its matchmaking
+    # prefix must be the one `join` gives its averagers, under which sharing peers declare themselves.
+    averager = SwarmAverager([torch.zeros(1)], dht, prefix=f"{run_id}_grad", client_mode=True, start=False)
+    averager.start()  # not run_in_background(): that would make this process ignore Ctrl+C
+    try:
+        averager.wait_until_ready()
+        while time.monotonic() < deadline:
+            future = averager.load_state_from_peers(wait=False, timeout=deadline - time.monotonic())
+            while not future.done() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            state = future.result() if future.done() else None
+            if state is not None:
+                weights = _weights_of(state, run, template)
+                if weights is not None:
+                    return weights, state[0]
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        return None
+    finally:
+        averager.shutdown()
+
+
+def _weights_of(state, run: RunConfig, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The named weights of a downloaded (metadata, tensors) state, or None (and a warning) if it does not fit:
+    it is remote data. The layout is `SwarmPeer.shared_state`'s: the weights, then as many momentum tensors."""
+    metadata, tensors = state
+    if (
+        not isinstance(metadata, dict)
+        or metadata.get("format") != SwarmPeer.STATE_FORMAT
+        or not all(isinstance(metadata.get(key, 0), int) for key in ("round", "step"))
+    ):
+        log.warning("ignoring a downloaded state: unknown format")
+        return None
+    if metadata.get("run_hash") != run.hash:
+        log.warning("ignoring a downloaded state: it belongs to another run config")
+        return None
+    if len(tensors) != 2 * len(template) or any(
+        t.shape != p.shape for t, p in zip(tensors, template.values())
+    ):
+        log.warning("ignoring a downloaded state: %d tensors that do not fit the model", len(tensors))
+        return None
+    weights = {name: t.float() for name, t in zip(template, tensors)}
+    if not all(bool(torch.isfinite(t).all()) for t in weights.values()):
+        log.warning("ignoring a downloaded state: it has non-finite weights")
+        return None
+    return weights

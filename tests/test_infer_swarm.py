@@ -1,0 +1,151 @@
+"""`tscale-peer infer --initial-peers ... --run-id ...`: the swarm's model fetched from a real peer on 127.0.0.1.
+
+One swarm for the module: a peer trains a tiny model for two rounds and stops (so its swarm state is on disk and
+differs from the run's initial weights), then restarts from that state with --min-peers 2, so it serves the
+state without training on while the tests fetch it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tscale_p2p.cli import main
+from tscale_p2p.generate import GenerationEngine, SamplingParams, generate, prepare_for_inference
+from tscale_p2p.model import ModelConfig, Transformer
+from tscale_p2p.peers.fetch import fetch_swarm_model
+from tscale_p2p.peers.run_config import load_saved_run_config
+
+pytestmark = [pytest.mark.slow]
+
+RUN = "fetch"
+MADDR = re.compile(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+")
+NOBODY = "/ip4/127.0.0.1/tcp/9/p2p/QmX2jXBEjUG1a4Na2zp8icDAy92brp2EMDNKFt1eJp2gQS"
+PROMPT = "the swarm "
+# One OpenMP thread per process: the peer and the tests share two cores.
+CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def tscale_peer(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tscale_p2p.cli", *args]
+
+
+def join_args(out: Path, data: Path, *extra: str) -> list[str]:
+    return tscale_peer("join", "--out", str(out), "--data", str(data), "--run-id", RUN, "--no-tui",
+                       "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--device", "cpu", *extra)
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    """(the serving peer's multiaddr, its --out directory)."""
+    root = tmp_path_factory.mktemp("swarm")
+    data = root / "corpus.txt"
+    words = "the swarm trains one model together while every peer keeps its own data and pace ".split()
+    picks = torch.randint(len(words), (20000,), generator=torch.Generator().manual_seed(0)).tolist()
+    data.write_text(" ".join(words[i] for i in picks))
+    out = root / "peer"
+    trained = subprocess.run(
+        join_args(out, data, "--model", "e32h2d2w64", "--batch-size", "4", "--save-every", "0", "--max-steps", "10",
+                  "--inner-steps", "5", "--matchmaking-time", "0.5", "--averaging-timeout", "1"),
+        env=CHILD_ENV, capture_output=True, text=True, timeout=60,
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    log = root / "serving.log"
+    with open(log, "wb") as sink:  # its own session: the teardown kills it with its DHT, averager and p2pd
+        peer = subprocess.Popen(join_args(out, data, "--min-peers", "2"), stdout=sink, stderr=subprocess.STDOUT,
+                                env=CHILD_ENV, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 40
+        while "waiting for 2 peers" not in log.read_text() and peer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        text = log.read_text()
+        assert "waiting for 2 peers" in text and "continuing from the saved swarm state" in text, text[-3000:]
+        yield MADDR.search(text).group(0), out
+    finally:
+        os.killpg(peer.pid, signal.SIGKILL)
+        peer.wait(10)
+
+
+def saved_model(out: Path) -> tuple[Transformer, int]:
+    """The peer's global weights from its swarm-state file (weights first, then the outer momentum), and round."""
+    config = ModelConfig.from_dict(load_saved_run_config(out).model)
+    model = Transformer(config)
+    with safe_open(out / "swarm-state.safetensors", framework="pt") as handle:
+        tensors = [handle.get_tensor(key) for key in sorted(handle.keys())]
+        round_ = json.loads(handle.metadata()["state"])["round"]
+    model.load_state_dict(dict(zip(dict(model.named_parameters()), tensors)))
+    return prepare_for_inference(model, "cpu", "fp32"), round_
+
+
+def greedy(model: Transformer, prompt: str, tokens: int) -> str:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same reductions as the one-thread child process
+    try:
+        [seq] = generate(GenerationEngine(model), [prompt], SamplingParams(max_tokens=tokens, temperature=0))
+    finally:
+        torch.set_num_threads(threads)
+    return seq.text
+
+
+@pytest.mark.timeout(90)
+def test_infer_fetches_the_swarms_model_and_generates_as_with_its_weights(swarm):
+    maddr, out = swarm
+    infer = subprocess.run(
+        tscale_peer("infer", "--initial-peers", maddr, "--run-id", RUN, "--prompt", PROMPT, "--max-tokens", "8",
+                    "--temperature", "0", "--device", "cpu"),
+        env=CHILD_ENV, capture_output=True, timeout=60,
+    )
+    stderr = infer.stderr.decode(errors="replace")
+    assert infer.returncode == 0, stderr[-3000:]
+    saved, round_ = saved_model(out)
+    assert round_ >= 1  # trained: not the run's initial weights
+    assert f"downloaded run '{RUN}' (e32h2d2w64) at round {round_}" in stderr
+    assert re.search(r"\[8 tokens, [\d.]+ tokens/s", stderr)
+    assert infer.stdout.decode() == greedy(saved, PROMPT, 8) != ""
+
+    fetched = fetch_swarm_model([maddr], RUN, timeout=30)
+    assert (fetched.run_id, fetched.round, fetched.config) == (RUN, round_, saved.cfg)
+    expected = dict(saved.named_parameters())
+    assert list(fetched.weights) == list(expected)
+    assert all(torch.equal(fetched.weights[name], expected[name]) for name in expected)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--initial-peers", "/ip4/1.2.3/tcp/5", "--run-id", RUN], "is not a valid multiaddr"),
+        (["--initial-peers", "/ip4/127.0.0.1/tcp/5"], "has no /p2p/<peer id> part"),
+        (["--initial-peers", NOBODY, "--run-id", "bad id!"], "invalid --run-id"),
+        (["--initial-peers", NOBODY, "--checkpoint", "runs/x"], "give exactly one of --checkpoint"),
+        ([], "give exactly one of --checkpoint"),
+        (["--checkpoint", "runs/x", "--run-id", RUN], "--run-id goes with --initial-peers"),
+        (["--initial-peers", NOBODY, "--fetch-timeout", "0"], "--fetch-timeout must be positive"),
+        # nothing listens there: the DHT start is retried until the timeout, then one line
+        (["--initial-peers", NOBODY, "--run-id", RUN, "--fetch-timeout", "2"],
+         f"run '{RUN}': cannot reach any initial peer ({NOBODY})"),
+    ],
+)
+def test_bad_model_sources_are_refused_in_one_line(flags, message, capsys):
+    assert main(["infer", *flags, "--prompt", "hi", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith("tscale-peer: error:") and message in error
+
+
+@pytest.mark.timeout(60)
+def test_a_run_nobody_serves_is_named_in_one_line(swarm, capsys):
+    maddr, _ = swarm
+    assert main(["serve", "--initial-peers", maddr, "--run-id", "nosuch", "--fetch-timeout", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"tscale-peer: error: run 'nosuch' via {maddr}: no peer has published this run's config within 2 s\n" in err
+    assert "Traceback" not in err
