@@ -7,6 +7,7 @@ state without training on while the tests fetch it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,10 +23,12 @@ import torch
 from safetensors import safe_open
 
 from tscale_p2p.cli import main
+from tscale_p2p.errors import UserError
 from tscale_p2p.generate import GenerationEngine, SamplingParams, generate, prepare_for_inference
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.fetch import fetch_swarm_model
-from tscale_p2p.peers.run_config import load_saved_run_config
+from tscale_p2p.peers.network import NetworkOptions, start_dht
+from tscale_p2p.peers.run_config import load_saved_run_config, publish_run_config
 
 pytestmark = [pytest.mark.slow]
 
@@ -38,6 +42,13 @@ CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 def tscale_peer(*args: str) -> list[str]:
     return [sys.executable, "-m", "tscale_p2p.cli", *args]
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    """SIGKILL a child started with start_new_session=True and whatever of its session is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(10)
 
 
 def join_args(out: Path, data: Path, *extra: str) -> list[str]:
@@ -72,8 +83,7 @@ def swarm(tmp_path_factory):
         assert "waiting for 2 peers" in text and "continuing from the saved swarm state" in text, text[-3000:]
         yield MADDR.search(text).group(0), out
     finally:
-        os.killpg(peer.pid, signal.SIGKILL)
-        peer.wait(10)
+        kill_session(peer)
 
 
 def saved_model(out: Path) -> tuple[Transformer, int]:
@@ -106,7 +116,7 @@ def test_infer_fetches_the_swarms_model_and_generates_as_with_its_weights(swarm)
         env=CHILD_ENV, capture_output=True, timeout=60,
     )
     stderr = infer.stderr.decode(errors="replace")
-    assert infer.returncode == 0, stderr[-3000:]
+    assert infer.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
     saved, round_ = saved_model(out)
     assert round_ >= 1  # trained: not the run's initial weights
     assert f"downloaded run '{RUN}' (e32h2d2w64) at round {round_}" in stderr
@@ -149,3 +159,40 @@ def test_a_run_nobody_serves_is_named_in_one_line(swarm, capsys):
     err = capsys.readouterr().err
     assert f"tscale-peer: error: run 'nosuch' via {maddr}: no peer has published this run's config within 2 s\n" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.timeout(90)
+def test_serve_answers_with_the_swarms_model(swarm):
+    maddr, out = swarm
+    serve = subprocess.Popen(
+        tscale_peer("serve", "--initial-peers", maddr, "--run-id", RUN, "--port", "0", "--device", "cpu"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=CHILD_ENV, text=True, start_new_session=True,
+    )
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("serving")) and serve.poll() is None:
+            lines.append(serve.stderr.readline())
+        url = re.match(rf"serving '{RUN}' at (\S+) ", lines[-1]).group(1)  # the model is named after the run
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/completions", data=body), timeout=30) as reply:
+            completion = json.load(reply)
+        assert completion["model"] == RUN
+        assert completion["choices"][0]["text"] == greedy(saved_model(out)[0], PROMPT, 8)
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(30) == 0
+    finally:
+        kill_session(serve)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_whose_peers_share_no_state_is_named_in_one_line(swarm, capsys):
+    """The run's config is published, but no live peer serves its state (a stand-in for peers that all left)."""
+    maddr, out = swarm
+    dht = start_dht(NetworkOptions(initial_peers=(maddr,), host_maddrs=("/ip4/127.0.0.1/tcp/0",), client_mode=True))
+    try:
+        assert publish_run_config(dht, "orphan", load_saved_run_config(out))
+        with pytest.raises(UserError) as refused:
+            fetch_swarm_model([maddr], "orphan", timeout=3)
+    finally:
+        dht.shutdown()
+    assert str(refused.value) == f"run 'orphan' via {maddr}: no live peer shared the run's model within 3 s"
