@@ -50,6 +50,7 @@ import itertools
 import logging
 import math
 import multiprocessing as mp
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
@@ -229,6 +230,18 @@ class SwarmAverager(DecentralizedAverager):
         )
         if start:
             self.run_in_background(await_ready=True)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """Start the averager process. hivemind's version makes *this* process ignore SIGINT for good (so
+        Ctrl+C stops working, here and in every program it starts later) and fails off the main thread;
+        the averager process ignores SIGINT itself instead (`run`)."""
+        self.start()
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C belongs to the host process, which shuts us down
+        super().run()
 
     # ---- host process: the swarm loop's API ----
 

@@ -20,7 +20,7 @@ from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.network import NetworkOptions, start_dht
-from tscale_p2p.peers.run_config import RunConfig, fetch_run_config
+from tscale_p2p.peers.run_config import RunConfig, averaging_prefix, fetch_run_config
 from tscale_p2p.peers.swarm import SwarmPeer
 
 log = logging.getLogger(__name__)
@@ -98,12 +98,10 @@ def _download_weights(
     dht, run_id: str, run: RunConfig, template: dict[str, torch.Tensor], deadline: float
 ) -> tuple[dict[str, torch.Tensor], dict] | None:
     """(weights, metadata) from the first peer whose state fits the run, retrying until `deadline`; else None."""
-    # Downloading needs only the averager's state RPC: one value to "average" is enough, and its matchmaking
-    # prefix must be the one `join` gives its averagers, under which sharing peers declare themselves.
-    averager = SwarmAverager([torch.zeros(1)], dht, prefix=f"{run_id}_grad", client_mode=True, start=False)
-    averager.start()  # not run_in_background(): that would make this process ignore Ctrl+C
+    # Downloading needs only the averager's state RPC: one value to "average" is enough; sharing peers
+    # declare themselves under the run's averaging prefix.
+    averager = SwarmAverager([torch.zeros(1)], dht, prefix=averaging_prefix(run_id), client_mode=True)
     try:
-        averager.wait_until_ready()
         while time.monotonic() < deadline:
             future = averager.load_state_from_peers(wait=False, timeout=deadline - time.monotonic())
             while not future.done() and time.monotonic() < deadline:

@@ -38,6 +38,7 @@ from tscale_p2p.peers.metrics import SwarmMetrics
 from tscale_p2p.peers.network import NetworkOptions, start_dht
 from tscale_p2p.peers.run_config import (
     RunConfig,
+    averaging_prefix,
     fetch_run_config,
     load_saved_run_config,
     publish_run_config,
@@ -167,19 +168,13 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
         averager = SwarmAverager(
             template,
             dht,
-            prefix=f"{options.run_id}_grad",
+            prefix=averaging_prefix(options.run_id),
             matchmaking_time=options.matchmaking_time,
             round_timeout=options.averaging_timeout,
             state_source=state_source,
             client_mode=client_mode,
             allow_state_sharing=False,  # switched on once this peer holds the swarm's state
-            start=False,
         )
-        # Not run_in_background(): it sets SIGINT to "ignore" in *this* process (Ctrl+C would stop working,
-        # and it raises outside the main thread, where the dashboard runs us). Our fork hook already makes
-        # the averager's process ignore SIGINT.
-        averager.start()
-        averager.wait_until_ready()
         return averager
 
     peer = SwarmPeer(

@@ -165,6 +165,11 @@ def run_config_key(run_id: str) -> str:
     return f"{run_id}_config"
 
 
+def averaging_prefix(run_id: str) -> str:
+    """The run's averager key prefix: peers match for rounds, and share their state, under it."""
+    return f"{run_id}_grad"
+
+
 def fetch_run_config(dht: DHT, run_id: str) -> RunConfig | None:
     """The run's published config, or None if nobody has published one yet."""
     found = dht.get(run_config_key(run_id), latest=True)
