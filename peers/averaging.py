@@ -90,6 +90,7 @@ class RoundOutcome:
     bytes_received: int
     seconds: float  # from start_round to the end of the all-reduce
     error: Optional[str] = None  # why the round failed, when it did
+    group_metadata: tuple = ()  # what every group member (this one included) passed as start_round's `metadata`
 
 
 class PendingRound:
@@ -106,7 +107,7 @@ class PendingRound:
     def result(self, timeout: Optional[float] = None) -> RoundOutcome:
         """Wait for the round (at most `timeout` s; TimeoutError after that). Never raises for network failures."""
         if self._outcome is None:
-            averaged, group_size, group_tokens, error = None, 1, 0.0, None
+            averaged, group_size, group_tokens, error, metadata = None, 1, 0.0, None, ()
             try:
                 gathered = self._control.result(timeout=timeout)
             except Exception as e:
@@ -118,6 +119,7 @@ class PendingRound:
                 averaged = self._averager._read_result()
                 group_size = len(gathered)
                 group_tokens = sum(_declared_tokens(info) for info in gathered.values())
+                metadata = tuple(_declared_metadata(info) for info in gathered.values())
             sent, received = self._averager.traffic()
             self._outcome = RoundOutcome(
                 averaged=averaged,
@@ -127,6 +129,7 @@ class PendingRound:
                 bytes_received=received - self._traffic_before[_RECEIVED],
                 seconds=time.perf_counter() - self._started,
                 error=error,
+                group_metadata=metadata,
             )
             self._averager._pending = None
         return self._outcome
@@ -139,6 +142,11 @@ def _declared_tokens(gathered: Any) -> float:
     except (TypeError, KeyError, ValueError):
         return 0.0
     return tokens if math.isfinite(tokens) and tokens > 0 else 0.0
+
+
+def _declared_metadata(gathered: Any) -> Any:
+    """The `metadata` a groupmate passed to start_round (None if absent); remote data: the caller validates it."""
+    return gathered.get("metadata") if isinstance(gathered, dict) else None
 
 
 class SwarmAverager(DecentralizedAverager):
@@ -245,10 +253,13 @@ class SwarmAverager(DecentralizedAverager):
 
     # ---- host process: the swarm loop's API ----
 
-    def start_round(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float) -> PendingRound:
+    def start_round(
+        self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, metadata: Any = None
+    ) -> PendingRound:
         """Begin averaging `pseudo_gradient` (weights at round start minus weights now) in the background.
 
-        `tokens` (> 0) is this peer's weight. The tensors are copied, so training may continue at once. Raises
+        `tokens` (> 0) is this peer's weight; `metadata` (small, msgpack-able) reaches every groupmate in
+        `RoundOutcome.group_metadata`. The tensors are copied, so training may continue at once. Raises
         ValueError for a pseudo-gradient that is not finite or does not match the template, and RuntimeError
         while the previous round is still pending.
         """
@@ -271,7 +282,8 @@ class SwarmAverager(DecentralizedAverager):
                     buffer.copy_(tensor.detach())
             traffic_before = self.traffic()
             control = self.step(
-                gather=dict(tokens=float(tokens)), weight=float(tokens), timeout=self.round_timeout, wait=False
+                gather=dict(tokens=float(tokens), metadata=metadata), weight=float(tokens),
+                timeout=self.round_timeout, wait=False,
             )
         except BaseException:
             self._step_finished.set()
