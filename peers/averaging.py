@@ -91,6 +91,9 @@ class RoundOutcome:
     seconds: float  # from start_round to the end of the all-reduce
     error: Optional[str] = None  # why the round failed, when it did
     group_metadata: tuple = ()  # what every group member (this one included) passed as start_round's `metadata`
+    # groupmates lost to this peer in the round: senders whose contribution its span refused or that went
+    # silent, and reducers that failed, timed out or answered invalid averages for its own parts
+    dropped_peers: int = 0
 
 
 class PendingRound:
@@ -121,6 +124,7 @@ class PendingRound:
                 group_tokens = sum(_declared_tokens(info) for info in gathered.values())
                 metadata = tuple(_declared_metadata(info) for info in gathered.values())
             sent, received = self._averager.traffic()
+            dropped = int(self._averager._round_dropped.item())
             self._outcome = RoundOutcome(
                 averaged=averaged,
                 group_size=group_size,
@@ -130,6 +134,7 @@ class PendingRound:
                 seconds=time.perf_counter() - self._started,
                 error=error,
                 group_metadata=metadata,
+                dropped_peers=dropped,
             )
             self._averager._pending = None
         return self._outcome
@@ -209,6 +214,7 @@ class SwarmAverager(DecentralizedAverager):
         self._sender_residual = torch.zeros_like(self._flat).share_memory_()
         self._reducer_residual = torch.zeros_like(self._flat).share_memory_()
         self._traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._round_dropped = torch.zeros((), dtype=torch.int64).share_memory_()  # of the last all-reduce attempt
         tensors = [view.view(t.shape) for view, t in zip(self._flat.split(sizes), template)]
         self._pending: Optional[PendingRound] = None
         self._outgoing: Optional[asyncio.Future] = None  # averager process: this round's packed pseudo-gradient
@@ -276,6 +282,7 @@ class SwarmAverager(DecentralizedAverager):
                 raise ValueError("pseudo-gradient has non-finite values; refusing to send it")
         self._wait_for_last_step()
         self._step_finished.clear()
+        self._round_dropped.zero_()
         try:
             with self.get_tensors() as buffers:
                 for buffer, tensor in zip(buffers, pseudo_gradient):
@@ -372,7 +379,10 @@ class SwarmAverager(DecentralizedAverager):
                 **kwargs,
             )
             self._running_groups[group_id].set_result(runner)
-            averaged = [tensor async for tensor in runner]
+            try:
+                averaged = [tensor async for tensor in runner]
+            finally:
+                self._round_dropped.fill_(len(runner.dropped_peers))
         except BaseException:
             self._outgoing = None
             self._undo_error_feedback(sent)
@@ -438,6 +448,12 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
         self._sent_parts: dict[int, list[tuple[torch.Size, float]]] = {}  # peer index -> (shape, norm) we sent
         self.lost_spans: list[tuple[int, int]] = []  # [start, end) in the flat vector of parts nobody averaged
+        self._failed_reducers: set[PeerID] = set()
+
+    @property
+    def dropped_peers(self) -> set[PeerID]:
+        """Groupmates lost so far: senders our span dropped (invalid, silent) and reducers that failed us."""
+        return (self.banned_senders | self._failed_reducers) - {self.peer_id}
 
     # -- reducer side --
 
@@ -511,6 +527,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.info("no average from %s for its span this round: %r", peer_id, e)
+                self._failed_reducers.add(peer_id)
             # The parts this reducer never answered stay zero in the result; remember where they are.
             container = self.tensor_part_container  # hivemind 1.1.12 internals (pinned): parts not yet answered
             answered = container._outputs_registered_by_peer[peer_index]

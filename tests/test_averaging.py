@@ -84,6 +84,7 @@ def test_three_peers_average_agree_and_error_feedback_keeps_the_books():
             outcomes = run_round(averagers, grads, tokens)
             for outcome in outcomes:
                 assert outcome.error is None and outcome.group_size == 3 and outcome.group_tokens == 6000.0
+                assert outcome.dropped_peers == 0
                 assert outcome.bytes_sent > 0 and outcome.bytes_received > 0
                 for got, want in zip(outcome.averaged, outcomes[0].averaged):
                     assert torch.equal(got, want)  # every peer decodes the very same average
@@ -161,6 +162,7 @@ def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
         first_state = averagers[0].error_feedback_state()
     for outcome in (first, second):
         assert outcome.error is None and outcome.group_size == len(codecs)
+        assert outcome.dropped_peers == 3  # NaNScales, WrongShape, HugeNorm: refused as senders and as reducers
         assert all(bool(torch.isfinite(t).all()) for t in outcome.averaged)
     for a, b in zip(first.averaged, second.averaged):
         assert torch.equal(a, b)
@@ -236,9 +238,13 @@ def test_a_peer_killed_mid_round_does_not_stall_the_others(tmp_path):
         for outcome in outcomes:
             assert outcome.group_size == 3 and outcome.error is None
             assert all(bool(torch.isfinite(t).all()) for t in outcome.averaged)
+        # A survivor that had everything it needed from the dead peer before it died lost nobody; the other
+        # lost its contribution (or its answers) and counts it.
+        assert max(o.dropped_peers for o in outcomes) == 1, [o.dropped_peers for o in outcomes]
         # The next round goes on without the dead peer.
         outcomes = run_round(averagers, grads, tokens)
         assert [o.group_size for o in outcomes] == [2, 2]
+        assert [o.dropped_peers for o in outcomes] == [0, 0]  # counted per round, not summed
         for a, b in zip(outcomes[0].averaged, outcomes[1].averaged):
             assert torch.equal(a, b)
 
