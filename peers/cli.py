@@ -173,8 +173,9 @@ def print_peer_table(run_id: str, records) -> None:
         return
     table = Table(title=f"run {run_id}: {len(records)} live peer(s)")
     for column in ("name", "peer id", "device", "precision", "tok/s", "loss", "round", "step", "tokens",
-                   "sent", "received", "last avg", "version"):
-        table.add_column(column, justify="right" if column in ("tok/s", "loss", "round", "step", "tokens") else "left")
+                   "sent", "received", "last avg", "dropped", "version"):
+        numeric = column in ("tok/s", "loss", "round", "step", "tokens", "dropped")
+        table.add_column(column, justify="right" if numeric else "left")
     now = time.time()
     for r in records:
         table.add_row(
@@ -190,6 +191,7 @@ def print_peer_table(run_id: str, records) -> None:
             _size(r.bytes_sent),
             _size(r.bytes_received),
             "never" if r.last_averaging is None else f"{now - r.last_averaging:.0f} s ago",
+            str(r.dropped_peers),
             r.version,
         )
     console.print(table)

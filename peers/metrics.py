@@ -42,6 +42,8 @@ class PeerRecord:
     version: str  # tscale-p2p version
     relayed: bool  # reachable only through a libp2p relay (behind NAT, --client-mode)
     updated_at: float  # unix time of publication
+    # groupmates this peer lost in its last averaging round (contribution refused, or failed mid all-reduce)
+    dropped_peers: int = 0
 
     def to_wire(self) -> dict:
         return asdict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -11,6 +12,7 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
+from tscale_p2p.cli import main
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics, peer_records_key
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus
 
@@ -96,3 +98,23 @@ def test_records_are_signed_listed_and_cannot_be_forged():
     finally:
         second.shutdown()
         first.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_peers_command_lists_the_dropped_peers_of_each_peer(capsys, monkeypatch):
+    """`tscale-peer peers` (a dial-out node of its own) shows what a live peer signed, dropped peers included."""
+    monkeypatch.setenv("COLUMNS", "200")  # the table's width when stdout is not a terminal
+    host = DHT(start=True, host_maddrs=LOOPBACK)
+    try:
+        SwarmMetrics(host, "run-d").publish(make_record(str(host.peer_id), "alice", dropped_peers=2))
+        maddrs = [str(m) for m in host.get_visible_maddrs()]
+        capsys.readouterr()
+        assert main(["peers", "--initial-peers", *maddrs, "--run-id", "run-d", "--json"]) == 0
+        (record,) = json.loads(capsys.readouterr().out)
+        assert record["name"] == "alice" and record["dropped_peers"] == 2
+        assert main(["peers", "--initial-peers", *maddrs, "--run-id", "run-d"]) == 0
+        table = capsys.readouterr().out
+        header, row = [line for line in table.splitlines() if "dropped" in line or "alice" in line]
+        assert row.split("│")[header.split("┃").index(" dropped ")].strip() == "2"
+    finally:
+        host.shutdown()
