@@ -82,8 +82,19 @@ def step(fwd, opt, x, y) -> torch.Tensor:
     return loss
 
 
+def print_kernel_profile(fwd, opt, x, y, top: int) -> None:
+    """The `top` GPU kernels of one training step by total device time: where a variant's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(fwd, opt, x, y)
+        sync(x.device)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70),
+          flush=True)
+
+
 def throughput(cfg: ModelConfig, variant: str, batch: int, steps: int, warmup: int, compile_model: bool,
-               peak_tflops: float, device: torch.device) -> dict:
+               peak_tflops: float, device: torch.device, profile_top: int = 0) -> dict:
     model, fwd, opt = build(cfg, variant, 0, compile_model, device)
     t = cfg.context
     x = torch.randint(0, cfg.vocab_size, (batch, t), device=device)
@@ -98,6 +109,9 @@ def throughput(cfg: ModelConfig, variant: str, batch: int, steps: int, warmup: i
         loss = step(fwd, opt, x, y)
     sync(device)
     elapsed = time.perf_counter() - start
+    if profile_top:
+        print(f"## {variant}: top {profile_top} kernels of one step", flush=True)
+        print_kernel_profile(fwd, opt, x, y, profile_top)
     tokens_s = steps * batch * t / elapsed
     mfu = cfg.flops_per_token(t) * tokens_s / (peak_tflops * 1e12)
     result = {"variant": variant, "dims": cfg.dims, "params": cfg.parameter_count(), "batch": batch,
@@ -159,6 +173,8 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run (fp8/int8 then need "
                                                         "TRITON_INTERPRET=1 and are very slow)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, print each variant's N most expensive GPU kernels in one step")
     p.add_argument("--json", help="append each result as one JSON line to this file")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -179,7 +195,7 @@ def main() -> None:
                            device)
             else:
                 r = throughput(cfg, variant, args.batch, args.steps, args.warmup, not args.no_compile,
-                               args.peak_tflops, device)
+                               args.peak_tflops, device, args.profile)
         except Exception as e:  # noqa: BLE001  (one failing variant must not lose the others' numbers)
             print(f"{variant}: FAILED {type(e).__name__}: {e}", flush=True)
             continue

@@ -241,10 +241,15 @@ def test_gpu_memory_holds_only_working_weights(corpus, delay, gpu_cleanup):
     plain = _gpu_run(corpus, "e1024h8d8w256", 6, settle_after=3)
     gc.collect()
     torch.cuda.empty_cache()
+    # What outlives a trainer: cuBLAS keeps one workspace per thread (forward, and autograd's backward thread)
+    # in torch's allocator for the life of the process. Measured after the plain run, so it is not charged
+    # to the offloaded one.
+    floor = torch.cuda.memory_allocated()
     off = _gpu_run(corpus, "e1024h8d8w256", 6, settle_after=3, offload="optimizer", offload_delay=delay)
     params = plain["params"]
     assert plain["base"] >= 12 * params  # fp32 weights + fp32 AdamW moments
-    assert off["base"] <= 2.2 * params  # bf16 matrices, fp32 embeddings/norms, nothing else persistent
+    # bf16 matrices, fp32 embeddings/norms, nothing else persistent
+    assert off["base"] - floor <= 2.2 * params, (floor, plain, off)
     # the plain run's transient: activations + fp32 gradients (4 bytes/param) + autocast's bf16 weight copies
     activations = plain["peak"] - plain["base"] - 4 * params
     # under offload: the same activations + the bf16 gradients still in flight to the host (a few layers)
@@ -258,4 +263,6 @@ def test_gpu_offloaded_run_follows_the_plain_run(corpus, gpu_cleanup):
     plain = _gpu_run(corpus, "e256h4d4w64", 30, lr=3e-3, warmup=5)["losses"]
     offloaded = _gpu_run(corpus, "e256h4d4w64", 30, lr=3e-3, warmup=5, offload="optimizer")["losses"]
     assert plain[-1] < plain[0] - 1.0
-    assert abs(offloaded[-1] - plain[-1]) < 0.02 * plain[-1], (plain[-5:], offloaded[-5:])
+    # One step's loss moves by ~20% from batch to batch here, so compare the last ten steps' means.
+    plain_end, offloaded_end = sum(plain[-10:]) / 10, sum(offloaded[-10:]) / 10
+    assert abs(offloaded_end - plain_end) < 0.05 * plain_end, (plain[-10:], offloaded[-10:])
