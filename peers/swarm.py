@@ -8,23 +8,31 @@ one-round-late correction are `OuterOptimizer` and `DelayedOuterStep` (peers/out
 Outer state: the global weights (what every peer agrees the model is after the last outer step) and the
 Nesterov momentum of the outer SGD. They are what a joining peer downloads.
 
-The trainer never waits for the network: a round ends after H steps *and* once the previous round's average
-has arrived; while it has not, training simply goes on, so a slow round makes the next one longer instead
-of idling the device. A round that finds nobody, or fails, is applied with this peer's own pseudo-gradient:
-a lonely peer simply continues alone.
+The trainer never waits for the network: a round ends when the swarm has made H steps per peer (`RoundClock`,
+peers/progress.py: all peers end it at about the same moment, so they meet in one group) *and* once the
+previous round's average has arrived; while it has not, training simply goes on, so a slow round makes the
+next one longer instead of idling the device. A round that finds nobody, or fails, is applied with this
+peer's own pseudo-gradient: a lonely peer simply continues alone.
+
+Staying in sync: every peer tells its group which global weights its update is based on (outer round and a
+fingerprint). Peers that averaged in different groups (or alone), or a joiner whose download was one round
+old, end up with different global weights, and averaging pseudo-gradients can never remove such an offset.
+So a peer whose base differs from the one most of its group shares downloads the swarm's state again (rare,
+hence cheap) and keeps its local progress on top of it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,6 +42,7 @@ from tscale_p2p import __version__
 from tscale_p2p.peers.averaging import PendingRound, RoundOutcome, SwarmAverager
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
+from tscale_p2p.peers.progress import RoundClock
 from tscale_p2p.peers.run_config import RunConfig, publish_run_config
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus
 from tscale_p2p.trainer import Trainer
@@ -42,6 +51,11 @@ log = logging.getLogger(__name__)
 
 SWARM_STATE_FILE = "swarm-state.safetensors"
 CONFIG_REFRESH_S = 3600.0
+RESYNC_TIMEOUT_S = 60.0
+FINGERPRINT_VALUES = 2**20  # weights hashed per fingerprint: an outer step changes every weight, so a sample
+# finds any difference between two peers' global weights at a cost that does not grow with the model
+
+Base = tuple[int, str]  # (outer round, fingerprint) of the global weights a pseudo-gradient was formed on
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,20 @@ class _InFlight:
     number: int
     pending: PendingRound
     pseudo_gradient: dict[str, torch.Tensor]
+    base: Base
+
+
+def group_consensus(metadata: Sequence[object]) -> Base | None:
+    """The base most members of an averaging group declared (ties: the later round, then the smaller
+    fingerprint, so every member picks the same one); None if nobody declared a well-formed base."""
+    bases = []
+    for item in metadata:
+        if isinstance(item, dict) and isinstance(item.get("round"), int) and isinstance(item.get("weights"), str):
+            bases.append((item["round"], item["weights"]))
+    if not bases:
+        return None
+    counts = Counter(bases)
+    return min(counts, key=lambda base: (-counts[base], -base[0], base[1]))
 
 
 class SwarmPeer:
@@ -91,6 +119,8 @@ class SwarmPeer:
         self.rounds = DelayedOuterStep(self.outer)
         self.round = 0  # outer steps applied
         self._state_lock = threading.Lock()  # guards outer state + round for get_current_state's thread
+        self._fingerprint = self.weights_fingerprint()  # of the global weights, refreshed when they change
+        self.resyncs = 0  # state downloads after finding our global weights out of step with the swarm
         self.averager: SwarmAverager = averager_factory(list(self.outer.weights.values()), self.shared_state)
         self.bytes_sent = self.bytes_received = 0
         self.last_averaging: float | None = None
@@ -99,6 +129,7 @@ class SwarmPeer:
         self._in_flight: _InFlight | None = None
         self._stop_publishing = threading.Event()
         self._publisher = threading.Thread(target=self._publish_loop, name="swarm-metrics", daemon=True)
+        self.clock = RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
         self.training_s = self.wall_s = 0.0  # for the busy fraction
 
     # ---- state shared with joiners (called from hivemind's background thread) ----
@@ -111,6 +142,7 @@ class SwarmPeer:
                 "run_hash": self.run_hash,
                 "round": self.round,
                 "step": self.trainer.step,
+                "weights": self._fingerprint,
             }
             state = self.outer.state_dict()  # a copy
         weights = [state["weights"][n] for n in self.names]
@@ -121,6 +153,16 @@ class SwarmPeer:
     def adopt_state(self, metadata: object, tensors: list[torch.Tensor]) -> bool:
         """Take a downloaded (or saved) state as our own and train from its global weights; False (and a
         warning) if it does not fit this run. Call before training starts."""
+        if not self._load_state(metadata, tensors):
+            return False
+        with self._state_lock:
+            self.trainer.step = max(self.trainer.step, int(metadata.get("step", 0)))
+        self._restart_round_from_global_weights()
+        self.status.update(round=self.round, step=self.trainer.step)
+        return True
+
+    def _load_state(self, metadata: object, tensors: list[torch.Tensor]) -> bool:
+        """Validate a state and make its global weights, momentum and round ours (the trainer is not touched)."""
         count = len(self.names)
         if not isinstance(metadata, dict) or metadata.get("format") != self.STATE_FORMAT:
             log.warning("ignoring downloaded state: unknown format")
@@ -140,9 +182,7 @@ class SwarmPeer:
         with self._state_lock:
             self.outer.load_state_dict({"weights": dict(zip(self.names, tensors[:count])), "optimizer": optimizer})
             self.round = int(metadata.get("round", 0))
-            self.trainer.step = max(self.trainer.step, int(metadata.get("step", 0)))
-        self._restart_round_from_global_weights()
-        self.status.update(round=self.round, step=self.trainer.step)
+            self._fingerprint = self.weights_fingerprint()
         return True
 
     def _restart_round_from_global_weights(self) -> None:
@@ -194,9 +234,10 @@ class SwarmPeer:
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Train rounds until done, `should_stop()` or `status.stop_requested`; leaves the last round applied."""
         self._publisher.start()
+        self.clock.start()
         session_steps, steps_in_round = 0, 0
         window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
-        loop_start = time.perf_counter()
+        loop_start = round_start = time.perf_counter()
         try:
             while not (should_stop() or self._should_stop(session_steps)):
                 if self.status.paused.is_set():  # the averager keeps serving state meanwhile
@@ -211,11 +252,15 @@ class SwarmPeer:
                 self.tokens_contributed += stats.tokens
                 window_tokens += stats.tokens
                 window_steps += 1
-                # A round ends after H steps, or later if the previous average is still on its way: the
-                # trainer never waits for the network, a slow round just makes the next one longer.
-                if steps_in_round >= self.inner_steps and (self._in_flight is None or self._in_flight.pending.done()):
+                # A round ends when the swarm has made H steps per peer, or later if the previous average is
+                # still on its way: the trainer never waits for the network, a slow round just lasts longer.
+                epoch = self.round + (self._in_flight is not None)
+                self.clock.update(epoch, steps_in_round, steps_in_round / (time.perf_counter() - round_start))
+                if self.clock.round_done(epoch, steps_in_round) and (
+                    self._in_flight is None or self._in_flight.pending.done()
+                ):
                     self._end_round()
-                    steps_in_round = 0
+                    steps_in_round, round_start = 0, time.perf_counter()
                 cfg = self.trainer.cfg
                 if cfg.save_every and stats.step % cfg.save_every == 0:
                     self.save()
@@ -229,6 +274,7 @@ class SwarmPeer:
                     self._report(stats.loss.item(), window_tokens / elapsed, elapsed / window_steps, steps_in_round, log_line)
                     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         finally:
+            self.clock.stop()
             self._drain()
             self.wall_s = time.perf_counter() - loop_start
             self._stop_publishing.set()
@@ -248,13 +294,16 @@ class SwarmPeer:
         """Apply the previous round's average (one round late), then start averaging this round's update."""
         pseudo_gradient = self._finish_round()
         tokens, self._tokens_in_round = self._tokens_in_round, 0
+        base = (self.round, self._fingerprint)
         try:
-            pending = self.averager.start_round([pseudo_gradient[n] for n in self.names], tokens=tokens)
+            pending = self.averager.start_round(
+                [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata={"round": base[0], "weights": base[1]}
+            )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)
             self._restart_round_from_global_weights()
             return
-        self._in_flight = _InFlight(self.round + 1, pending, pseudo_gradient)
+        self._in_flight = _InFlight(self.round + 1, pending, pseudo_gradient, base)
         self.status.update(averaging_in_flight=True)
 
     def _finish_round(self) -> dict[str, torch.Tensor]:
@@ -269,11 +318,54 @@ class SwarmPeer:
             weights, pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot(), previous)
             if previous is not None:
                 self.round += 1
+                self._fingerprint = self.weights_fingerprint()
         self.trainer.apply_outer_update(weights)
         if flight is not None:
             self._advertise_state()
             self._report_round(flight, outcome)
+            consensus = group_consensus(outcome.group_metadata) if outcome.averaged is not None else None
+            if consensus is not None and consensus != flight.base:
+                self._resync(flight, consensus, previous, pseudo_gradient)
         return pseudo_gradient
+
+    def _resync(self, flight: _InFlight, consensus: Base, average: dict, pseudo_gradient: dict) -> None:
+        """Our round was formed on other global weights than most of the group's: download the swarm's state,
+        bring it to where the group is after this round's average, and keep our local progress on top."""
+        log.warning(
+            "round %d: our global weights (round %d, %s) differ from the group's (round %d, %s); downloading the "
+            "swarm's state", flight.number, *flight.base, *consensus,
+        )
+        if not self.averager.client_mode:
+            self.averager.state_sharing_priority = -1.0  # nobody should download our state meanwhile
+        try:
+            state = self.averager.load_state_from_peers(wait=True, timeout=RESYNC_TIMEOUT_S)
+        except Exception as error:  # a timeout, or the averager shutting down: try again next round
+            log.debug("state download failed: %r", error)
+            state = None
+        metadata = state[0] if state is not None else None
+        donor_round = metadata.get("round") if isinstance(metadata, dict) else None
+        # The donor may or may not have applied this round's average yet; we want the state after it.
+        behind_by_one = donor_round == consensus[0] and metadata.get("weights") == consensus[1]
+        if not (isinstance(donor_round, int) and (behind_by_one or donor_round > consensus[0])):
+            log.warning("round %d: no peer shared the group's state (got round %s); staying out of step for now",
+                        flight.number, donor_round)
+            self._advertise_state()
+            return
+        if not self._load_state(*state):
+            self._advertise_state()
+            return
+        with self._state_lock:
+            if behind_by_one:
+                self.outer.step(average)
+                self.round += 1
+                self._fingerprint = self.weights_fingerprint()
+            self.rounds.round_start = {n: w - pseudo_gradient[n] for n, w in self.outer.weights.items()}
+        self.trainer.apply_outer_update(self.rounds.round_start)
+        self.resyncs += 1
+        self._advertise_state()
+        self.status.update(round=self.round)
+        log.info("round %d: back in step with the swarm at round %d, weights %s", flight.number, self.round,
+                 self._fingerprint)
 
     def _report_round(self, flight: _InFlight, outcome: RoundOutcome) -> None:
         self.bytes_sent += outcome.bytes_sent
@@ -303,14 +395,17 @@ class SwarmPeer:
                 outcome.seconds,
                 outcome.bytes_sent / 1024,
                 outcome.bytes_received / 1024,
-                self.weights_fingerprint(),
+                self._fingerprint,
             )
 
     def weights_fingerprint(self) -> str:
-        """A short digest of the global weights: peers that applied the same rounds print the same one."""
+        """A short digest of the global weights: peers that applied the same rounds print the same one.
+        Hashes an evenly spaced sample of FINGERPRINT_VALUES weights (every weight of a small model)."""
+        total = sum(t.numel() for t in self.outer.weights.values())
+        stride = max(1, total // FINGERPRINT_VALUES)
         digest = hashlib.sha256()
         for tensor in self.outer.weights.values():
-            digest.update(tensor.numpy().tobytes())
+            digest.update(tensor.reshape(-1)[::stride].contiguous().numpy().tobytes())
         return digest.hexdigest()[:12]
 
     def _drain(self) -> None:

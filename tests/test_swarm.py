@@ -23,7 +23,9 @@ from safetensors import safe_open
 from tscale_p2p.cli import build_parser, main
 from tscale_p2p.peers.cli import join_inputs
 from tscale_p2p.peers.join import join
+from tscale_p2p.peers.progress import RoundClock
 from tscale_p2p.peers.status import LocalStatus
+from tscale_p2p.peers.swarm import group_consensus
 
 pytestmark = [pytest.mark.slow]
 
@@ -179,7 +181,12 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     c = spawn("c", *join_args("c", text_file, "--initial-peers", founder, "--run-id", "late", "--name", "c"))
     downloaded = int(c.wait_for(r"downloaded the state of round (\d+)", timeout=60)[0].group(1))
     assert downloaded >= 2
-    c.wait_for(r"round \d+: averaged with 2 peer", timeout=60)
+    # The joiner's state is a round old by the time it averages (the others' round was in flight): it must
+    # not stay an outer step behind, but apply the same rounds as the others, to the same global weights.
+    c.wait_for(r"round \d+: averaged with 2 peer", timeout=60, count=2)
+    in_step = [r for r, (others, fingerprint) in rounds(c.output()).items()
+               if others == 2 and rounds(a.output()).get(r, (0, None))[1] == fingerprint]
+    assert in_step, (rounds(a.output()), rounds(c.output()))
     assert re.search(r"joined run 'late'.*model e32h2d2w64, 5 inner steps", c.output())  # adopted, no model flags
 
     capsys.readouterr()
@@ -289,3 +296,45 @@ def test_join_in_a_thread_obeys_the_dashboards_pause_and_stop(tmp_path, text_fil
         worker.join(60)
     assert not worker.is_alive() and result["code"] == 0
     assert (tmp_path / "threaded" / "swarm-state.safetensors").exists()
+
+
+def test_group_consensus_is_the_majority_base_and_the_same_for_every_member():
+    base = lambda r, w: {"round": r, "weights": w}  # noqa: E731
+    assert group_consensus([base(4, "bb"), base(4, "bb"), base(4, "aa")]) == (4, "bb")
+    assert group_consensus([base(3, "aa"), base(4, "bb")]) == (4, "bb")  # a joiner one round behind yields
+    assert group_consensus([base(4, "bb"), base(4, "aa")]) == (4, "aa")
+    assert group_consensus([base(4, "bb"), None, {"round": "4", "weights": "aa"}]) == (4, "bb")
+    assert group_consensus([None, {}]) is None
+
+
+@pytest.mark.timeout(60)
+def test_round_clock_ends_every_peers_round_when_the_swarm_made_h_steps_per_peer():
+    """Two clocks on real DHT nodes: a round ends once both peers' steps add up to 2 x H, at once if the
+    other peer has already ended it, and a peer alone ends it after H steps."""
+    import hivemind
+
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+    clocks = [RoundClock(dht, "clock", name, inner_steps=10, every_s=0.2) for dht, name in ((first, "a"), (second, "b"))]
+    try:
+        mine, other = clocks
+        assert mine.round_done(0, 10) and not mine.round_done(0, 9)  # alone: H steps
+        for clock in clocks:
+            clock.start()
+        other.update(epoch=0, steps=8, steps_per_s=0.0)
+        mine.update(epoch=0, steps=5, steps_per_s=0.0)
+        deadline = time.monotonic() + 20
+        while mine.peers_in(0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mine.peers_in(0) == 2
+        assert not mine.round_done(0, 11) and mine.round_done(0, 12)  # 12 + 8 = 2 x H
+        other.update(epoch=1, steps=0, steps_per_s=0.0)  # the other peer has ended round 0
+        deadline = time.monotonic() + 20
+        while not mine.round_done(0, 1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mine.round_done(0, 1) and not mine.round_done(0, 0)
+    finally:
+        for clock in clocks:
+            clock.stop()
+        second.shutdown()
+        first.shutdown()

@@ -1,0 +1,132 @@
+"""`RoundClock`: every peer of the swarm ends its round at about the same moment, whatever its speed.
+
+A round used to end after H local steps. Peers of different speed (or the same speed with different
+start-up delays) then reached the averaging at different times, split into several matchmaking groups, and
+peers that averaged in different groups applied different averages: their global weights drifted apart.
+
+hivemind.Optimizer's `ProgressTracker` solves the same problem for its collective batch: each peer
+publishes its progress in the DHT, and all of them begin averaging when the swarm's *collective* progress
+reaches the target. `RoundClock` does the same for DiLoCo rounds: a round is `H` local steps per live peer
+on average, i.e. it ends once the steps made in it by all peers of the same round number add up to
+`n_peers x H`. Each peer extrapolates the others' last published numbers (steps, steps/s, time) to now, so
+all of them reach that sum at about the same moment: a fast peer makes more than H steps, a slow one fewer,
+and they meet in one group (the average is weighted by tokens, so each step counts the same).
+
+Round numbers ("epochs") are the rounds a peer has ended, which is the same for peers that share the
+swarm's global weights. A peer that sees a fresh record of a later epoch is late: it ends its round now.
+What other peers publish is untrusted: malformed records are ignored and extrapolations are clamped.
+The extrapolation uses each peer's clock (`time.time()`, as hivemind's DHT does); clock skew between
+machines only shifts the estimate by the skew times the peer's step rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+from hivemind import DHT
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One peer's position in the current round."""
+
+    epoch: int  # rounds this peer has ended
+    steps: int  # local steps made in the current round
+    steps_per_s: float
+    time: float  # unix time of these numbers
+
+    def to_wire(self) -> list:
+        return [self.epoch, self.steps, self.steps_per_s, self.time]
+
+    @classmethod
+    def from_wire(cls, value: object) -> "Progress | None":
+        if not (isinstance(value, (list, tuple)) and len(value) == 4):
+            return None
+        epoch, steps, rate, at = value
+        if not (isinstance(epoch, int) and isinstance(steps, int) and epoch >= 0 and steps >= 0):
+            return None
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (rate, at)):
+            return None
+        return cls(epoch, steps, max(0.0, float(rate)), float(at))
+
+
+def progress_key(run_id: str) -> str:
+    return f"{run_id}_progress"
+
+
+class RoundClock:
+    """Publishes this peer's progress every `every_s` seconds and decides when its round ends.
+
+    The training loop calls `update()` after each step and `round_done()` to ask whether to end the round;
+    both are cheap (no network): a background thread does the DHT reads and writes.
+    """
+
+    def __init__(self, dht: DHT, run_id: str, peer_id: str, inner_steps: int, every_s: float = 1.0) -> None:
+        self.dht, self.key, self.peer_id = dht, progress_key(run_id), peer_id
+        self.inner_steps, self.every_s = inner_steps, every_s
+        self._mine: Progress | None = None
+        self._others: list[Progress] = []  # the latest fetch, fresh records only
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="swarm-round-clock", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def update(self, epoch: int, steps: int, steps_per_s: float) -> None:
+        self._mine = Progress(epoch, steps, steps_per_s, time.time())
+
+    def round_done(self, epoch: int, steps: int) -> bool:
+        """Whether this peer's round `epoch` ends now, after `steps` local steps in it."""
+        if steps < 1:
+            return False
+        return self.collective_steps(epoch, steps, time.time()) >= self.inner_steps * self.peers_in(epoch)
+
+    def peers_in(self, epoch: int) -> int:
+        """Peers (this one included) whose steps count towards round `epoch`."""
+        return 1 + sum(1 for p in self._others if p.epoch in (epoch - 1, epoch))
+
+    def collective_steps(self, epoch: int, steps: int, now: float) -> float:
+        """Steps made in round `epoch` by all peers, extrapolated to `now`; infinite if some peer is past it.
+        (A peer still in the previous round counts in `peers_in` but has made none of this round's steps.)"""
+        total = float(steps)
+        cap = 2.0 * self.inner_steps  # one peer's extrapolation is never trusted beyond this
+        for other in self._others:
+            if other.epoch > epoch:
+                return math.inf  # that peer has ended this round: we are late
+            if other.epoch == epoch:
+                total += min(cap, other.steps + other.steps_per_s * max(0.0, now - other.time))
+        return total
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._exchange()
+            except Exception as error:  # the DHT may be shutting down; the clock must never stop training
+                log.debug("round clock: DHT exchange failed: %s", error)
+            self._stop.wait(self.every_s)
+
+    def _exchange(self) -> None:
+        mine = self._mine
+        if mine is not None:
+            self.dht.store(self.key, mine.to_wire(), expiration_time=time.time() + 3 * self.every_s + 5,
+                           subkey=self.peer_id)
+        found = self.dht.get(self.key, latest=True)
+        others = []
+        fresh = time.time() - 3 * self.every_s - 5
+        if found is not None and isinstance(found.value, dict):
+            for subkey, entry in found.value.items():
+                record = Progress.from_wire(getattr(entry, "value", None))
+                if subkey != self.peer_id and record is not None and record.time > fresh:
+                    others.append(record)
+        self._others = others
