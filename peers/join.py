@@ -14,12 +14,8 @@ Order of a join, and why:
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
-import os
-import signal
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -75,26 +71,9 @@ class JoinOptions:
     publish_every_s: float = 5.0
 
 
-def _reset_signals_in_child() -> None:
-    """In hivemind's forked DHT/averager processes: leave Ctrl+C to the parent (it shuts them down after the
-    last round), let hivemind's own SIGTERM end them, and die with the parent even if it is SIGKILLed."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-_PR_SET_PDEATHSIG = 1
-_fork_hook_registered = False
-
-
 def join(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus | None = None) -> int:
     """Run one swarm peer to completion; returns the exit code. `explicit` holds the settings the user gave
     (flag name -> value), which must agree with the run's; `status` is updated live for a dashboard."""
-    global _fork_hook_registered
-    if not _fork_hook_registered:  # before hivemind forks anything
-        os.register_at_fork(after_in_child=_reset_signals_in_child)
-        _fork_hook_registered = True
     status = status or LocalStatus()
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
         # hivemind logs a traceback for every round that finds no group; our loop reports it in one line.

@@ -6,7 +6,11 @@ for a malformed address) and hand hivemind plain strings.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +67,39 @@ def host_maddrs_for(port: int | None, host_maddrs: Sequence[str]) -> tuple[str, 
     return (f"/ip4/0.0.0.0/tcp/{port or 0}",)
 
 
+_PR_SET_PDEATHSIG = 1
+_children_detached = False
+
+
+def keep_children_off_the_terminal() -> None:
+    """Make every process forked from now on (hivemind's DHT and averager processes, and the p2pd daemon the
+    DHT spawns) leave Ctrl+C to this process, which shuts them down in order; idempotent.
+
+    A terminal sends Ctrl+C to its whole foreground process group. Ignoring SIGINT is not enough for p2pd:
+    uvloop's spawn runs the fork hooks but then resets every signal to its default before exec, so p2pd would
+    exit at once and hivemind's shutdown would trip over its missing socket (a FileNotFoundError traceback).
+    A process group of its own survives exec. Each child also dies with its parent (PR_SET_PDEATHSIG), so
+    `kill -9` of this process still takes all of them down.
+    """
+    global _children_detached
+    if not _children_detached:
+        os.register_at_fork(after_in_child=_detach_from_terminal)
+        _children_detached = True
+
+
+def _detach_from_terminal() -> None:
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # hivemind ends its processes with SIGTERM
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def start_dht(options: NetworkOptions, should_stop: Callable[[], bool] = lambda: False) -> DHT | None:
     """Start a hivemind DHT node. While the initial peers cannot be reached, log one line and retry with
-    backoff; UserError when they stay unreachable for `retry_for_s`. None if `should_stop()` while waiting."""
+    backoff; UserError when they stay unreachable for `retry_for_s`. None if `should_stop()` while waiting.
+    Processes it starts ignore Ctrl+C (`keep_children_off_the_terminal`): shut it down to end them."""
+    keep_children_off_the_terminal()
     if options.identity_path:
         Path(options.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
     delay, deadline, attempt = options.retry_first_delay_s, time.monotonic() + options.retry_for_s, 0

@@ -82,7 +82,11 @@ def _load_model(args: argparse.Namespace):
     run_id = check_run_id(args.run_id or DEFAULT_RUN_ID)
     if not args.fetch_timeout > 0:
         raise UserError(f"--fetch-timeout must be positive, got {args.fetch_timeout}")
-    fetched = fetch_swarm_model(initial_peers, run_id, args.fetch_timeout)
+    try:
+        fetched = fetch_swarm_model(initial_peers, run_id, args.fetch_timeout)
+    except KeyboardInterrupt:  # the network processes ignore Ctrl+C; fetch_swarm_model has shut them down
+        print(f"tscale-peer: interrupted while fetching run {run_id!r}'s model", file=sys.stderr)
+        raise SystemExit(130) from None
     return prepare_for_inference(fetched.build(), args.device, args.precision), run_id
 
 

@@ -1,0 +1,107 @@
+"""Ctrl+C in a terminal: SIGINT to the whole foreground process group (the command, hivemind's DHT and averager
+processes, p2pd). `join` must save and exit 0, an `infer --initial-peers` fetch must stop with one line; no
+traceback either way, and nothing of the command may be left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hivemind
+import psutil
+import pytest
+
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.model import ModelConfig
+from tscale_p2p.peers.run_config import RunConfig, publish_run_config
+
+pytestmark = [pytest.mark.slow]
+
+# One OpenMP thread: the test machine's two cores are shared.
+CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+class Command:
+    """`tscale-peer ARGS` in a session of its own, as a shell starts a foreground job; stderr in a file."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.stderr = tmp_path / "stderr.txt"
+        with open(self.stderr, "wb") as sink:
+            self.popen = subprocess.Popen([sys.executable, "-m", "tscale_p2p.cli", *args], cwd=tmp_path, env=CHILD_ENV,
+                                          stdout=subprocess.DEVNULL, stderr=sink, start_new_session=True)
+        self.process = psutil.Process(self.popen.pid)
+
+    def err(self) -> str:
+        return self.stderr.read_text(errors="replace")
+
+    def wait_until(self, ready, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert self.popen.poll() is None, f"exited before {what}:\n{self.err()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.err()[-3000:]}"
+            time.sleep(0.2)
+
+    def ctrl_c(self, timeout: float) -> tuple[int, list[psutil.Process]]:
+        """SIGINT to the process group, as a terminal sends it; (exit code, descendants still alive after)."""
+        descendants = self.process.children(recursive=True)
+        assert any(p.name() == "p2pd" for p in descendants), [p.name() for p in descendants]
+        os.killpg(self.popen.pid, signal.SIGINT)
+        try:
+            code = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout} s after Ctrl+C:\n{self.err()[-3000:]}") from None
+        _, alive = psutil.wait_procs(descendants, timeout=10)
+        return code, alive
+
+    def kill(self) -> None:
+        for process in [self.process, *self.process.children(recursive=True)] if self.popen.poll() is None else []:
+            process.kill()
+        self.popen.wait(10)
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_during_join_saves_and_exits_0_without_a_traceback(tmp_path):
+    (tmp_path / "corpus.txt").write_text("the swarm trains one model together while every peer keeps its pace. " * 400)
+    join = Command(tmp_path, "join", "--no-tui", "--out", "out", "--data", "corpus.txt", "--host-maddrs",
+                   "/ip4/127.0.0.1/tcp/0", "--model", "e32h2d2w64", "--batch-size", "4", "--device", "cpu",
+                   "--log-every", "5", "--save-every", "0", "--inner-steps", "5", "--matchmaking-time", "1",
+                   "--averaging-timeout", "2")
+    try:
+        join.wait_until(lambda: "step 10 " in join.err(), "training")  # a round is averaging in the background
+        code, alive = join.ctrl_c(timeout=60)
+    finally:
+        join.kill()
+    err = join.err()
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err and "Error" not in err, err[-3000:]  # hivemind's FileNotFoundError before
+    assert "SIGINT received" in err and "checkpoint written to" in err
+    assert not alive, alive  # p2pd, the DHT and the averager ended with it
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_during_an_infer_fetch_says_one_line_and_exits_130(tmp_path):
+    """The run is published but nobody serves its state, so `infer` keeps trying to download it: Ctrl+C then."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        config = ModelConfig.from_dims("e32h2d2w64", vocab_size=256)
+        assert publish_run_config(dht, "unserved", RunConfig.from_settings(TrainConfig(), config, "byte", 5, 0.35, 0.9))
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        infer = Command(tmp_path, "infer", "--initial-peers", *maddrs, "--run-id", "unserved", "--prompt", "the",
+                        "--device", "cpu", "--no-compile")
+        try:
+            # The DHT process, its p2pd and the averager that downloads: the fetch is under way.
+            infer.wait_until(lambda: len(infer.process.children(recursive=True)) >= 3, "download")
+            code, alive = infer.ctrl_c(timeout=30)
+        finally:
+            infer.kill()
+    finally:
+        dht.shutdown()
+    err = infer.err()
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "tscale-peer: interrupted while fetching run 'unserved''s model"
+    assert not alive, alive
