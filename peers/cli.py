@@ -54,6 +54,10 @@ def add_join_parser(commands) -> None:
                        help="seconds a round waits to gather peers (default: 5)")
     swarm.add_argument("--averaging-timeout", type=float, default=30.0, metavar="S",
                        help="a round that finds no group in S seconds is applied alone (default: 30)")
+    swarm.add_argument("--threads", type=int, metavar="N",
+                       help="CPU threads for this peer's tensor math (CPU training, offloaded optimizer, packing "
+                       "updates). Default: $OMP_NUM_THREADS if set, else this machine's cores divided by the "
+                       "join peers running on it (peers that each use every core starve one another)")
     swarm.add_argument("--no-tui", action="store_true", help="plain log lines instead of the dashboard")
     training = join.add_argument_group("training (a joiner adopts the run's model and schedule)")
     training.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file; flags override it")
@@ -101,7 +105,7 @@ def join_inputs(args: argparse.Namespace):
     cfg = train_config_from_args(args)
     if "out" not in explicit:
         cfg = replace(cfg, out=str(Path("runs") / run_id))
-    for name in ("inner_steps", "max_steps", "min_peers"):
+    for name in ("inner_steps", "max_steps", "min_peers", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("matchmaking_time", "averaging_timeout"):
@@ -123,6 +127,7 @@ def join_inputs(args: argparse.Namespace):
         outer_momentum=args.outer_momentum,
         max_steps=args.max_steps,
         min_peers=args.min_peers,
+        threads=args.threads,
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
     )

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import psutil
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -66,6 +68,7 @@ class JoinOptions:
     outer_momentum: float | None = None
     max_steps: int | None = None
     min_peers: int = 1  # wait until this many peers (this one included) are live before training
+    threads: int | None = None  # CPU threads for torch; None: `default_threads()`
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
     publish_every_s: float = 5.0
@@ -75,6 +78,8 @@ def join(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalSt
     """Run one swarm peer to completion; returns the exit code. `explicit` holds the settings the user gave
     (flag name -> value), which must agree with the run's; `status` is updated live for a dashboard."""
     status = status or LocalStatus()
+    threads = options.threads or default_threads()
+    torch.set_num_threads(threads)  # before the averager process is forked: it inherits the setting
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
         # hivemind logs a traceback for every round that finds no group; our loop reports it in one line.
         logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
@@ -172,8 +177,8 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             log.info("continuing from the saved swarm state of round %d", peer.round)
         if not client_mode:
             peer.averager.allow_state_sharing = True
-        log.info("%s (%s) training on %s, %s; peer id %s", name, options.run_id, identity.device,
-                 trainer.precision, peer_id)
+        log.info("%s (%s) training on %s, %s, %d CPU threads; peer id %s", name, options.run_id, identity.device,
+                 trainer.precision, torch.get_num_threads(), peer_id)
         if options.min_peers > 1:
             wait_for_peers(peer, options.min_peers, should_stop)
         if not should_stop():
@@ -270,6 +275,26 @@ def initial_weights(run: RunConfig) -> dict[str, torch.Tensor]:
         torch.manual_seed(run.seed)
         model = Transformer(run.model_config)
     return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def default_threads() -> int:
+    """CPU threads for one peer's torch ops: $OMP_NUM_THREADS when set, else this process's cores shared out
+    among the `join` peers running on this machine. Several peers each using every core oversubscribe it, and
+    OpenMP threads spin while they wait, so they starve one another instead of merely sharing."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()  # torch sized its pool from the variable
+    return max(1, len(os.sched_getaffinity(0)) // (1 + len(other_local_peers())))
+
+
+def other_local_peers() -> set[int]:
+    """Process ids of the other `tscale-peer join` commands running on this machine."""
+    me, commands = os.getpid(), {}
+    for process in psutil.process_iter(["pid", "ppid", "cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "join" in cmdline and any(part == "tscale_p2p.cli" or part.endswith("tscale-peer") for part in cmdline):
+            commands[process.info["pid"]] = process.info["ppid"]
+    # hivemind's DHT and averager processes are forks with their peer's command line: count their parent only.
+    return {pid for pid, parent in commands.items() if parent not in commands and pid != me}
 
 
 def tokenizer_name(corpus) -> str:

@@ -69,7 +69,7 @@ def test_ctrl_c_during_join_saves_and_exits_0_without_a_traceback(tmp_path):
     join = Command(tmp_path, "join", "--no-tui", "--out", "out", "--data", "corpus.txt", "--host-maddrs",
                    "/ip4/127.0.0.1/tcp/0", "--model", "e32h2d2w64", "--batch-size", "4", "--device", "cpu",
                    "--log-every", "5", "--save-every", "0", "--inner-steps", "5", "--matchmaking-time", "1",
-                   "--averaging-timeout", "2")
+                   "--averaging-timeout", "2", "--threads", "1")
     try:
         join.wait_until(lambda: "step 10 " in join.err(), "training")  # a round is averaging in the background
         code, alive = join.ctrl_c(timeout=60)
@@ -78,7 +78,7 @@ def test_ctrl_c_during_join_saves_and_exits_0_without_a_traceback(tmp_path):
     err = join.err()
     assert code == 0, err[-3000:]
     assert "Traceback" not in err and "Error" not in err, err[-3000:]  # hivemind's FileNotFoundError before
-    assert "SIGINT received" in err and "checkpoint written to" in err
+    assert "SIGINT received" in err and "checkpoint written to" in err and "1 CPU threads" in err
     assert not alive, alive  # p2pd, the DHT and the averager ended with it
 
 
