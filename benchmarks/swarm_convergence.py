@@ -1,6 +1,7 @@
-"""Convergence of the real swarm at a fixed token budget (CPU, minutes).
+"""Convergence of the real swarm at a fixed token budget (minutes on a CPU or one GPU).
 
     python benchmarks/swarm_convergence.py --data PATH/tinyshakespeare.txt [--peers 4] [--steps 300]
+        [--device cuda] [--tune-outer-lrs 0.35,0.5,0.7] [--out DIR]
 
 Three ways to spend the same tokens on the same transformer, each peer drawing its own batches:
 
@@ -15,12 +16,16 @@ Three ways to spend the same tokens on the same transformer, each peer drawing i
 - one process            a single trainer with a `--peers` times larger batch, every step.
 
 Reported: validation loss (nats/token, the trainer's fixed eval windows) and the gap to the last row, plus
-the traffic ratio against a per-step bf16 gradient all-reduce.
+the traffic ratio against a per-step bf16 gradient all-reduce. The in-process rows run in their own
+processes while the swarm trains (on the same device); `--tune-outer-lrs` adds one-round-late DiLoCo rows
+at other outer learning rates. With `--out`, peer logs and the table are kept there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
 import os
 import re
 import signal
@@ -28,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -50,8 +55,8 @@ BITS_PER_PARAM_EACH_WAY = 1 + 16 / 256  # 1-bit signs + a bf16 scale per 256 val
 
 def settings(args, batch_size: int, seed: int = 0) -> TrainConfig:
     return TrainConfig(
-        data=args.data, model=args.model, device="cpu", steps=args.steps, batch_size=batch_size, lr=args.lr,
-        warmup=args.warmup, eval_batches=args.eval_batches, eval_every=0, save_every=0, seed=seed,
+        data=args.data, model=args.model, device=args.device, steps=args.steps, batch_size=batch_size, lr=args.lr,
+        warmup=args.warmup, eval_batches=args.eval_batches, eval_every=0, save_every=0, seed=seed, compile=False,
     )
 
 
@@ -63,7 +68,8 @@ def run_config(args) -> RunConfig:
 
 def trainer_for(args, batch_size: int, seed: int) -> Trainer:
     run = run_config(args)
-    trainer = Trainer(run.model_config, settings(args, batch_size, seed), load_corpus(args.data), torch.device("cpu"))
+    device = torch.device(args.device)
+    trainer = Trainer(run.model_config, settings(args, batch_size, seed), load_corpus(args.data), device)
     trainer.apply_outer_update(initial_weights(run))
     return trainer
 
@@ -81,8 +87,9 @@ def one_process(args) -> tuple[float, int]:
     return trainer.evaluate().loss, trainer.tokens_seen
 
 
-def diloco_uncompressed(args, one_round_late: bool) -> tuple[float, int]:
+def diloco_uncompressed(args, one_round_late: bool, outer_lr: float) -> tuple[float, int]:
     """In-process DiLoCo rounds with the exact mean; `one_round_late` applies it as the swarm does."""
+    args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr})
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
     outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum) for t in peers]  # identical copies
     rounds = [DelayedOuterStep(outer) for outer in outers]
@@ -110,15 +117,18 @@ def diloco_uncompressed(args, one_round_late: bool) -> tuple[float, int]:
     return val_loss(args, outers[0].weights), sum(t.tokens_seen for t in peers)
 
 
-def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str]]:
+def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], bool]:
     """All peers start together against a stock `hivemind-dht` bootstrap node, with the same flags."""
     bootstrap_log = work / "bootstrap.log"
     # In its own session: hivemind-dht forks its DHT process and p2pd, and all of them must go at the end.
-    bootstrap = subprocess.Popen([str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs",
+    # hivemind's own `hivemind-dht` CLI, run as a module: its console script is missing where hivemind was
+    # installed with `pip --target` (the GPU machine)
+    bootstrap = subprocess.Popen([sys.executable, "-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs",
                                   "/ip4/127.0.0.1/tcp/0"], stdout=open(bootstrap_log, "wb"), stderr=subprocess.STDOUT,
                                  start_new_session=True)
     flags = [
-        "--data", args.data, "--device", "cpu", "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
+        "--data", args.data, "--device", args.device, "--no-compile", "--batch-size", str(args.batch_size),
+        "--max-steps", str(args.steps),
         "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time", str(args.matchmaking_time),
         "--averaging-timeout", "30", "--eval-every", "0", "--save-every", "0", "--log-every", "50", "--run-id", "bench",
         "--model", args.model, "--steps", str(args.steps), "--lr", str(args.lr), "--warmup", str(args.warmup),
@@ -142,10 +152,12 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str]]:
             process.kill()
         os.killpg(bootstrap.pid, signal.SIGKILL)
         bootstrap.wait()
-    global_losses = [val_loss(args, _global_weights(work / f"peer{i}", args)) for i in range(args.peers)]
+    weights = [_global_weights(work / f"peer{i}", args) for i in range(args.peers)]
+    identical = all(torch.equal(w[n], weights[0][n]) for w in weights for n in w)
+    global_losses = [val_loss(args, w) for w in weights]
     local_losses = [_local_loss(work / f"peer{i}", args) for i in range(args.peers)]
     tokens = sum(_tokens(log.read_text()) for log in logs)
-    return global_losses, local_losses, tokens, [log.read_text() for log in logs]
+    return global_losses, local_losses, tokens, [log.read_text() for log in logs], identical
 
 
 def _wait_for(log: Path, pattern: str, process: subprocess.Popen, timeout: float = 120) -> str:
@@ -177,10 +189,19 @@ def _tokens(log: str) -> int:
     return int(found.group(1)) if found else 0
 
 
+def baseline(kind: str, args, outer_lr: float) -> tuple[float, int]:
+    """One in-process row (runs in a worker process)."""
+    torch.set_num_threads(1)
+    if kind == "one process":
+        return one_process(args)
+    return diloco_uncompressed(args, one_round_late=kind == "one round late", outer_lr=outer_lr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="a text file, e.g. tinyshakespeare.txt")
     parser.add_argument("--model", default="e64h4d2w128")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200, help="local steps per peer")
     parser.add_argument("--batch-size", type=int, default=8, help="per peer")
@@ -189,41 +210,73 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--outer-lr", type=float, default=0.35)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--tune-outer-lrs", default="", help="comma-separated outer lrs of extra one-round-late rows")
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--eval-batches", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--skip-swarm", action="store_true")
+    parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
 
-    rows = []
     started = time.perf_counter()
-    if not args.skip_swarm:
-        with tempfile.TemporaryDirectory() as work:
-            global_losses, local_losses, tokens, logs = swarm(args, Path(work))
-        full = sum(len(re.findall(rf"averaged with {args.peers - 1} peer", log)) for log in logs) / args.peers
-        rounds = sum(len(re.findall(r"round \d+: averaged", log)) for log in logs) / args.peers
-        name = f"swarm, 1-bit async ({args.peers} processes; {full:.1f} of {rounds:.1f} rounds/peer with all)"
-        rows.append((f"{name}: global weights", sum(global_losses) / args.peers, tokens,
-                     f"per peer {', '.join(f'{x:.4f}' for x in global_losses)}"))
-        rows.append((f"{name}: each peer's last weights", sum(local_losses) / args.peers, tokens,
-                     f"per peer {', '.join(f'{x:.4f}' for x in local_losses)}"))
-    loss, tokens = diloco_uncompressed(args, one_round_late=True)
-    rows.append(("DiLoCo, uncompressed, one round late (in one process)", loss, tokens, ""))
-    loss, tokens = diloco_uncompressed(args, one_round_late=False)
-    rows.append(("DiLoCo, uncompressed, synchronous (in one process)", loss, tokens, ""))
-    loss, tokens = one_process(args)
-    rows.append((f"one process, batch {args.peers * args.batch_size}", loss, tokens, ""))
+    late_lrs = sorted({args.outer_lr, *(float(x) for x in args.tune_outer_lrs.split(",") if x)})
+    jobs = [(f"DiLoCo, exact mean, one round late, outer lr {lr} (one process)", "one round late", lr) for lr in late_lrs]
+    jobs.append((f"DiLoCo, exact mean, synchronous, outer lr {args.outer_lr} (one process)", "synchronous", args.outer_lr))
+    jobs.append((f"one process, batch {args.peers * args.batch_size}, every step", "one process", 0.0))
+    rows = []
+    # The in-process rows train in worker processes while the swarm runs (spawn: CUDA cannot be forked).
+    with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [(name, pool.submit(baseline, kind, args, lr)) for name, kind, lr in jobs]
+        for name, future in futures:  # each row as soon as it is known, in case the swarm never ends
+            future.add_done_callback(lambda f, name=name: print(f"{name}: {f.result()[0]:.4f}", flush=True))
+        if not args.skip_swarm:
+            rows += swarm_rows(args, out)
+        for name, future in futures:
+            loss, tokens = future.result()
+            rows.append((name, loss, tokens, ""))
     reference = rows[-1][1]
-    print(f"model {args.model}, {args.peers} peers x {args.steps} steps x batch {args.batch_size}, "
-          f"H={args.inner_steps}, outer lr {args.outer_lr} momentum {args.outer_momentum}; "
-          f"{time.perf_counter() - started:.0f} s")
-    print("| run | val loss | gap to one process | tokens | notes |")
-    print("| --- | --- | --- | --- | --- |")
+    lines = [
+        f"model {args.model} on {args.device}, {args.peers} peers x {args.steps} steps x batch {args.batch_size}, "
+        f"H={args.inner_steps}, inner lr {args.lr} (warm-up {args.warmup}, cosine), swarm outer lr {args.outer_lr} "
+        f"momentum {args.outer_momentum}, matchmaking {args.matchmaking_time} s; {time.perf_counter() - started:.0f} s",
+        "| run | val loss | gap to one process | tokens | notes |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, value, tokens, notes in rows:
-        print(f"| {name} | {value:.4f} | {100 * (value / reference - 1):+.2f}% | {tokens:,} | {notes} |")
+        lines.append(f"| {name} | {value:.4f} | {100 * (value / reference - 1):+.2f}% | {tokens:,} | {notes} |")
     # Per-step bf16 all-reduce moves 16 bits/param each way every step; we move ~1.06 every H steps.
-    print(f"traffic vs per-step bf16 gradient all-reduce: {16 * args.inner_steps / BITS_PER_PARAM_EACH_WAY:.0f}x less")
+    lines.append(f"traffic vs per-step bf16 gradient all-reduce: {16 * args.inner_steps / BITS_PER_PARAM_EACH_WAY:.0f}x less")
+    print("\n".join(lines), flush=True)
+    if out:
+        (out / "table.md").write_text("\n".join(lines) + "\n")
+        (out / "results.json").write_text(json.dumps(
+            {"args": vars(args), "rows": [dict(run=n, val_loss=v, tokens=t, notes=x) for n, v, t, x in rows]}, indent=1))
+
+
+def swarm_rows(args, out: Path | None) -> list[tuple[str, float, int, str]]:
+    with tempfile.TemporaryDirectory() as work:
+        try:
+            global_losses, local_losses, tokens, logs, identical = swarm(args, Path(work))
+        finally:
+            if out:
+                for log in Path(work).glob("*.log"):
+                    (out / log.name).write_bytes(log.read_bytes())
+    full = sum(len(re.findall(rf"averaged with {args.peers - 1} peer", log)) for log in logs) / args.peers
+    rounds = sum(len(re.findall(r"round \d+: averaged", log)) for log in logs) / args.peers
+    resyncs = sum(len(re.findall(r"back in step with the swarm", log)) for log in logs)
+    name = f"swarm, 1-bit async, outer lr {args.outer_lr} ({args.peers} processes)"
+    notes = (f"{full:.1f} of {rounds:.1f} rounds/peer with all {args.peers}, {args.steps / max(rounds, 1):.0f} "
+             f"steps/round, {resyncs} state re-downloads, global weights {'identical' if identical else 'differ'}")
+    return [
+        (f"{name}: global weights", sum(global_losses) / args.peers, tokens,
+         f"{notes}; per peer {', '.join(f'{x:.4f}' for x in global_losses)}"),
+        (f"{name}: each peer's last weights", sum(local_losses) / args.peers, tokens,
+         f"per peer {', '.join(f'{x:.4f}' for x in local_losses)}"),
+    ]
 
 
 if __name__ == "__main__":
