@@ -2,31 +2,43 @@
 
 Every matmul contracts along the last axis of both quantized operands, with one scale per row:
 
-    forward  Y  = X  W^T :  X  [M, K] row-scaled,            W   [N, K] row-scaled
-    dgrad    dX = dY W   :  dY [M, N] row-scaled,            W^T [K, N] scaled per column of W
-    wgrad    dW = dY^T X :  dY^T [N, M] per column of dY,    X^T [K, M] per column of X
+    forward  Y  = X  W^T :  X  [M, K] row-scaled (per token),  W   [N, K] row-scaled
+    dgrad    dX = dY W   :  dY [M, N] row-scaled,              W^T [K, N] scaled per column of W
+    wgrad    dW = dY^T X :  (dY * sx)^T [N, M] per column,     Xq^T [K, M] unscaled
 
-The column scales come from an amax gathered during the row pass (one extra read for the transposed copy).
-The forward keeps X^T in fp8/int8 for the backward, which also halves the saved activation. The master
-weight stays a full-precision nn.Parameter; its two quantized copies are cached and rebuilt only when the
-parameter may have changed (after an optimizer step, or when its version counter moves), i.e. once per
-optimizer step however many micro-batches run.
+The weight gradient reuses the forward's quantized X: its per-token scales sx vary along the contraction, so
+they are folded into dY (dW[n, k] = sum_m dY[m, n] sx[m] Xq[m, k]) and Xq only needs a byte transpose. So the
+forward reads X once, and the backward keeps X in fp8/int8 (a quarter of an fp32 activation).
+
+The master weight stays a full-precision nn.Parameter; its two quantized copies are cached and rebuilt only
+when the parameter may have changed (after an optimizer step, or when its version counter moves), i.e. once
+per optimizer step however many micro-batches run.
+
+The matmuls are torch custom ops, so torch.compile traces a whole model through these layers (no graph
+breaks: the reshapes and copies around them fuse into the compiled kernels) while the Triton launches and the
+weight cache stay opaque Python. Each layer's cache is found through an integer id, which the compiler treats
+as a constant of the call site.
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tscale_p2p.kernels.gemm import scaled_mm
-from tscale_p2p.kernels.quantize import QuantFormat, FORMATS, quantize_cols_t, quantize_rows
+from tscale_p2p.kernels.quantize import FORMATS, QuantFormat, quantize_cols_t, quantize_rows, transpose
 
 
-def quantize_with_transpose(x: torch.Tensor, fmt: QuantFormat, stochastic: bool = False):
-    """(q, row scales, q^T, column scales) of a 2-D tensor: both layouts a linear layer needs."""
-    q, s, col_amax = quantize_rows(x, fmt, stochastic=stochastic, col_amax=True)
-    q_t, s_t = quantize_cols_t(x, fmt, col_amax=col_amax, stochastic=stochastic)
+def quantize_with_transpose(x: torch.Tensor, fmt: QuantFormat, stochastic: bool = False,
+                            row_mul: torch.Tensor | None = None):
+    """(q, row scales, q^T, column scales) of a 2-D tensor: both layouts a linear layer needs. With `row_mul`
+    the transposed copy is of x * row_mul[:, None]."""
+    q, s, col_amax = quantize_rows(x, fmt, stochastic=stochastic, col_amax=True, row_mul=row_mul)
+    q_t, s_t = quantize_cols_t(x, fmt, col_amax=col_amax, stochastic=stochastic, row_mul=row_mul)
     return q, s, q_t, s_t
 
 
@@ -60,41 +72,87 @@ class QuantizedWeightCache:
         return self._value
 
 
-class _QuantizedLinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, cache, fmt, grad_fmt, stochastic_grad, out_dtype):
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        w_q, w_s, w_q_t, w_s_t = cache.get(weight, fmt)
-        if ctx.needs_input_grad[1]:
-            x_q, x_s, x_q_t, x_s_t = quantize_with_transpose(x2, fmt)
-        else:
-            x_q, x_s = quantize_rows(x2, fmt)
-            x_q_t = x_s_t = None
-        y = scaled_mm(x_q, w_q, x_s, w_s, out_dtype=out_dtype)
-        ctx.save_for_backward(x_q_t, x_s_t, w_q_t, w_s_t)
-        ctx.grad_fmt, ctx.stochastic_grad, ctx.x_shape, ctx.x_dtype = grad_fmt, stochastic_grad, x.shape, x.dtype
-        ctx.weight_dtype = weight.dtype
-        return y.view(*lead, y.shape[-1])
+# The live layers' caches, by id: custom ops take tensors and plain values, not Python objects.
+_caches: weakref.WeakValueDictionary[int, QuantizedWeightCache] = weakref.WeakValueDictionary()
+_cache_ids = itertools.count()
 
-    @staticmethod
-    def backward(ctx, grad_y):
-        x_q_t, x_s_t, w_q_t, w_s_t = ctx.saved_tensors
-        g2 = grad_y.reshape(-1, grad_y.shape[-1])
-        if g2.stride(-1) != 1:
-            g2 = g2.contiguous()
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_x = grad_w = None
-        if need_w:
-            g_q, g_s, g_q_t, g_s_t = quantize_with_transpose(g2, ctx.grad_fmt, ctx.stochastic_grad)
-            grad_w = scaled_mm(g_q_t, x_q_t, g_s_t, x_s_t, out_dtype=torch.float32).to(ctx.weight_dtype)
-        else:
-            g_q, g_s = quantize_rows(g2, ctx.grad_fmt, stochastic=ctx.stochastic_grad)
-        if need_x:
-            grad_x = scaled_mm(g_q, w_q_t, g_s, w_s_t, out_dtype=ctx.x_dtype).view(ctx.x_shape)
-        return grad_x, grad_w, None, None, None, None, None
+
+def _cache_for(cache_id: int) -> QuantizedWeightCache:
+    """The layer's cache; a fresh one if the layer is gone (a backward may outlive a temporary layer)."""
+    return _caches.get(cache_id) or QuantizedWeightCache()
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("tscale::quantized_linear", mutates_args=())
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, cache_id: int, fmt: str, grad_fmt: str,
+                     stochastic_grad: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Y = X W^T in `fmt`; also returns X quantized (per-token scales) for the backward, which computes the
+    gradients in `grad_fmt`."""
+    x2 = _as_2d(x)
+    f = FORMATS[fmt]
+    w_q, w_s, _, _ = _cache_for(cache_id).get(weight, f)
+    x_q, x_s = quantize_rows(x2, f)
+    y = scaled_mm(x_q, w_q, x_s, w_s, out_dtype=out_dtype)
+    return y.view(*x.shape[:-1], y.shape[-1]), x_q, x_s
+
+
+@quantized_linear.register_fake
+def _(x, weight, cache_id, fmt, grad_fmt, stochastic_grad, out_dtype):
+    m = x.numel() // x.shape[-1]
+    return (x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype),
+            x.new_empty((m, x.shape[-1]), dtype=FORMATS[fmt].dtype), x.new_empty((m,), dtype=torch.float32))
+
+
+@torch.library.custom_op("tscale::quantized_linear_backward", mutates_args=())
+def quantized_linear_backward(grad_y: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor,
+                              cache_id: int, fmt: str, grad_fmt: str, stochastic_grad: bool, need_x: bool,
+                              need_w: bool, x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX, dW) of `quantized_linear`; an empty tensor for the one not needed."""
+    g2 = _as_2d(grad_y)
+    gf = FORMATS[grad_fmt]
+    grad_x = grad_w = grad_y.new_empty(0)
+    if need_w:
+        # dgrad's row-scaled copy and wgrad's transposed copy of dY * sx, from one pass for the column amax
+        g_q, g_s, g_q_t, g_s_t = quantize_with_transpose(g2, gf, stochastic_grad, row_mul=x_s)
+        ones = torch.ones(x_q.shape[1], dtype=torch.float32, device=x_q.device)
+        grad_w = scaled_mm(g_q_t, transpose(x_q), g_s_t, ones, out_dtype=torch.float32).to(weight.dtype)
+    else:
+        g_q, g_s = quantize_rows(g2, gf, stochastic=stochastic_grad)
+    if need_x:
+        _, _, w_q_t, w_s_t = _cache_for(cache_id).get(weight, FORMATS[fmt])
+        grad_x = scaled_mm(g_q, w_q_t, g_s, w_s_t, out_dtype=x_dtype).view(*grad_y.shape[:-1], -1)
+    return grad_x, grad_w
+
+
+@quantized_linear_backward.register_fake
+def _(grad_y, x_q, x_s, weight, cache_id, fmt, grad_fmt, stochastic_grad, need_x, need_w, x_dtype):
+    grad_x = grad_y.new_empty((*grad_y.shape[:-1], weight.shape[1]), dtype=x_dtype) if need_x else grad_y.new_empty(0)
+    grad_w = weight.new_empty(weight.shape) if need_w else grad_y.new_empty(0)
+    return grad_x, grad_w
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, cache_id, fmt, grad_fmt, stochastic_grad, _ = inputs
+    _, x_q, x_s = output
+    ctx.save_for_backward(x_q, x_s, weight)
+    ctx.cache_id, ctx.fmt, ctx.grad_fmt, ctx.stochastic_grad, ctx.x_dtype = (cache_id, fmt, grad_fmt,
+                                                                             stochastic_grad, x.dtype)
+    ctx.mark_non_differentiable(x_q, x_s)
+
+
+def _backward(ctx, grad_y, _grad_x_q, _grad_x_s):
+    x_q, x_s, weight = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_x, grad_w = quantized_linear_backward(grad_y, x_q, x_s, weight, ctx.cache_id, ctx.fmt, ctx.grad_fmt,
+                                               ctx.stochastic_grad, need_x, need_w, ctx.x_dtype)
+    return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None, None, None
+
+
+quantized_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 class QuantizedLinear(nn.Module):
@@ -114,6 +172,8 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"cannot mix an integer and a float format ({fmt}, {grad_fmt})")
         self.stochastic_grad = stochastic_grad
         self._cache = QuantizedWeightCache()
+        self._cache_id = next(_cache_ids)
+        _caches[self._cache_id] = self._cache
 
     @property
     def in_features(self) -> int:
@@ -123,17 +183,15 @@ class QuantizedLinear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    # torch.compile traces around this layer instead of into it: the weight cache and the Triton launches are
-    # plain Python, and the rest of the model (norms, rotary, activations) still gets compiled and fused.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             out_dtype = torch.get_autocast_dtype(device_type)
         else:
             out_dtype = x.dtype
-        return _QuantizedLinearFunction.apply(x, self.weight, self._cache, self.fmt, self.grad_fmt,
-                                              self.stochastic_grad, out_dtype)
+        y, _, _ = quantized_linear(x, self.weight, self._cache_id, self.fmt.name, self.grad_fmt.name,
+                                   self.stochastic_grad, out_dtype)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt.name}, "

@@ -89,11 +89,11 @@ def _scale_and_cast(x, scale, offsets, seed, QMAX: tl.constexpr, IS_INT: tl.cons
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_sm,
-                          seed, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, rowmul_ptr, M, K, stride_xm, stride_xk, stride_qm,
+                          stride_sm, seed, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                           MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr, EMULATE_CAST: tl.constexpr,
-                          COL_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          ROW_BLOCKS: tl.constexpr):
+                          COL_AMAX: tl.constexpr, ROW_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -112,6 +112,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, stri
         tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows * stride_sm + pid_k, scale, mask=rows < M)
         if COL_AMAX:
+            if ROW_MUL:  # the column amax of x * row_mul[:, None] (what quantize_cols_t will cast)
+                ax = ax * tl.abs(tl.load(rowmul_ptr + rows, mask=rows < M, other=0.0))[:, None]
             col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
     if COL_AMAX:
         # One partial row per program, reduced by the caller: deterministic, and no atomics on hot addresses.
@@ -119,10 +121,10 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, stri
 
 
 @triton.jit
-def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, stride_xk, stride_qk, stride_sk,
-                            seed, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
-                            MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr, EMULATE_CAST: tl.constexpr,
-                            TILE_SCALES: tl.constexpr,
+def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, rowmul_ptr, M, K, stride_xm, stride_xk, stride_qk,
+                            stride_sk, seed, QMAX: tl.constexpr, IS_INT: tl.constexpr,
+                            MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr,
+                            EMULATE_CAST: tl.constexpr, TILE_SCALES: tl.constexpr, ROW_MUL: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -131,6 +133,8 @@ def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, st
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask,
                 other=0.0).to(tl.float32)
+    if ROW_MUL:
+        x = x * tl.load(rowmul_ptr + rows, mask=rows < M, other=0.0)[:, None]
     if TILE_SCALES:
         amax = tl.max(tl.abs(x), axis=0)
     else:
@@ -145,6 +149,15 @@ def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, M, K, stride_xm, st
     else:
         if pid_m == 0:
             tl.store(s_ptr + cols * stride_sk, scale, mask=cols < K)
+
+
+@triton.jit
+def _transpose_kernel(x_ptr, y_ptr, M, K, stride_xm, stride_ym, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask)
+    tl.store(y_ptr + cols[None, :].to(tl.int64) * stride_ym + rows[:, None], x, mask=mask)
 
 
 def _format(fmt: str | QuantFormat) -> QuantFormat:
@@ -165,10 +178,11 @@ def _emulate_cast() -> bool:
 
 
 def quantize_rows(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None,
-                  stochastic: bool = False, col_amax: bool = False):
+                  stochastic: bool = False, col_amax: bool = False, row_mul: torch.Tensor | None = None):
     """Quantize a 2-D tensor with one scale per row (group=None) or per row and 128-wide tile (group=128).
 
-    Returns (q, scale) or, with col_amax=True, (q, scale, amax of each column of x in fp32).
+    Returns (q, scale) or, with col_amax=True, (q, scale, amax of each column of x in fp32); with `row_mul`
+    ([M] fp32) that amax is the one of x * row_mul[:, None], for `quantize_cols_t(..., row_mul=row_mul)`.
     """
     _check_group(group)
     f = _format(fmt)
@@ -188,9 +202,11 @@ def quantize_rows(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int |
     scale = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
     partial = torch.empty((n_row_programs, K) if col_amax else (1,), dtype=torch.float32, device=x.device)
     _quantize_rows_kernel[(n_row_programs, n_groups)](
-        x, q, scale, partial, M, K, x.stride(0), x.stride(1), q.stride(0), scale.stride(0), _seed(stochastic),
+        x, q, scale, partial, row_mul if row_mul is not None else scale, M, K, x.stride(0), x.stride(1),
+        q.stride(0), scale.stride(0), _seed(stochastic),
         QMAX=f.max_value, IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits, MIN_NORMAL_EXP=f.min_normal_exp,
-        STOCHASTIC=stochastic, EMULATE_CAST=_emulate_cast(), COL_AMAX=col_amax, BLOCK_M=block_m,
+        STOCHASTIC=stochastic, EMULATE_CAST=_emulate_cast(), COL_AMAX=col_amax,
+        ROW_MUL=col_amax and row_mul is not None, BLOCK_M=block_m,
         BLOCK_K=block_k, ROW_BLOCKS=row_blocks, num_warps=8 if block_m * block_k >= 4096 else 4)
     if group is None:
         scale = scale[:, 0]
@@ -198,11 +214,13 @@ def quantize_rows(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int |
 
 
 def quantize_cols_t(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None,
-                    stochastic: bool = False, col_amax: torch.Tensor | None = None):
-    """Quantize x [M, K] into its transpose [K, M], scaled per column of x (per row of the result).
+                    stochastic: bool = False, col_amax: torch.Tensor | None = None,
+                    row_mul: torch.Tensor | None = None):
+    """Quantize x [M, K] (times `row_mul[:, None]` if given) into its transpose [K, M], scaled per column of x
+    (per row of the result).
 
-    group=None needs `col_amax` from `quantize_rows(x, col_amax=True)`; the scale has shape [K].
-    group=128 computes one scale per column and 128-row tile in this pass; the scale has shape
+    group=None needs `col_amax` from `quantize_rows(x, col_amax=True, row_mul=row_mul)`; the scale has shape
+    [K]. group=128 computes one scale per column and 128-row tile in this pass; the scale has shape
     [K, ceil(M/128)].
     """
     _check_group(group)
@@ -217,11 +235,25 @@ def quantize_cols_t(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int
     colmax = col_amax if col_amax is not None else scale
     grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
     _quantize_cols_t_kernel[grid](
-        x, q, scale, colmax, M, K, x.stride(0), x.stride(1), q.stride(0), scale.stride(0), _seed(stochastic),
+        x, q, scale, colmax, row_mul if row_mul is not None else scale, M, K, x.stride(0), x.stride(1),
+        q.stride(0), scale.stride(0), _seed(stochastic),
         QMAX=f.max_value, IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits,
         MIN_NORMAL_EXP=f.min_normal_exp, STOCHASTIC=stochastic, EMULATE_CAST=_emulate_cast(),
-        TILE_SCALES=tiles, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
+        TILE_SCALES=tiles, ROW_MUL=row_mul is not None, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
     return q, (scale if tiles else scale[:, 0])
+
+
+def transpose(q: torch.Tensor) -> torch.Tensor:
+    """The contiguous transpose [K, M] of a 2-D tensor [M, K] with unit inner stride (fp8/int8 values: the
+    GEMM reads both operands contracting along their last axis, so a layout change is a copy)."""
+    M, K = q.shape
+    if q.stride(1) != 1:
+        raise ValueError("transpose needs a unit inner stride")
+    out = torch.empty((K, M), dtype=q.dtype, device=q.device)
+    block_m, block_k = 64, 64
+    _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(K, block_k))](
+        q, out, M, K, q.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
+    return out
 
 
 def quantize_reference(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None):

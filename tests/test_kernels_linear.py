@@ -161,6 +161,23 @@ def test_short_training_tracks_fp32():
         assert (losses[precision] - losses["fp32"]).abs().max() <= 0.01 * losses["fp32"][0], precision
 
 
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_torch_compile_traces_through_quantized_linears(precision):
+    """The quantized matmuls are custom ops: a whole model compiles as one graph (fullgraph=True fails on any
+    graph break) and computes what the eager model computes."""
+    torch.manual_seed(8)
+    model = convert_linears(Tiny().to(DEVICE), precision, skip=())
+    idx = torch.randint(0, 16, (2, 9), device=DEVICE)
+    eager_loss = model(idx).float().square().mean()
+    eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(idx).float().square().mean()
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, eager_loss)
+    for g, ref in zip(grads, eager_grads):
+        torch.testing.assert_close(g, ref)
+
+
 def test_resolve_precision_falls_back_with_one_warning(caplog):
     with caplog.at_level(logging.WARNING):
         assert resolve_precision("fp32", torch.device("cpu")) == "fp32"

@@ -27,6 +27,7 @@ from tscale_p2p.kernels.quantize import (
     quantize_cols_t,
     quantize_reference,
     quantize_rows,
+    transpose,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,6 +106,24 @@ def test_quantize_cols_transposed_matches_reference(fmt, group):
         q_t, s_t = quantize_cols_t(x, fmt, group, col_amax=col_amax)
         assert q_t.shape == (K, M)
         check_quantized_rows(x.T.contiguous(), q_t, s_t, fmt, group)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "int8"])
+def test_row_multiplier_scales_the_transposed_copy(fmt):
+    """quantize_cols_t(x, row_mul=r) quantizes x * r[:, None]; its column amax comes from the row pass."""
+    torch.manual_seed(6)
+    x = torch.randn(150, 70, device=DEVICE)
+    r = torch.rand(150, device=DEVICE) * 4
+    _, _, col_amax = quantize_rows(x, fmt, col_amax=True, row_mul=r)
+    torch.testing.assert_close(col_amax, (x * r[:, None]).abs().amax(dim=0))
+    q_t, s_t = quantize_cols_t(x, fmt, col_amax=col_amax, row_mul=r)
+    check_quantized_rows((x * r[:, None]).T.contiguous(), q_t, s_t, fmt, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_transpose_is_exact(dtype):
+    x = (torch.randn(130, 67, device=DEVICE) * 20).clamp(-100, 100).to(dtype)
+    assert torch.equal(transpose(x).view(torch.uint8), x.T.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("fmt,value,low,high", [("e4m3", 134.4, 128.0, 144.0), ("int8", 38.1, 38.0, 39.0)])

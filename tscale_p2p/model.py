@@ -262,6 +262,16 @@ class MLP(nn.Module):
         return self.proj(h)
 
 
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype when autocast is on. nn.RMSNorm returns fp32 under autocast; the projections that
+    read a norm's output cast it anyway (nn.Linear) or quantize it (fp8/int8 layers, which then read half the
+    bytes), so the cast happens once, where torch.compile fuses it into the norm."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int) -> None:
         super().__init__()
@@ -273,8 +283,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: Rotary, block_masks: dict | None = None) -> torch.Tensor:
         block_mask = (block_masks or {}).get(self.attn.window)
-        x = x + self.dropout(self.attn(self.attn_norm(x), rotary, block_mask))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        x = x + self.dropout(self.attn(in_compute_dtype(self.attn_norm(x)), rotary, block_mask))
+        return x + self.dropout(self.mlp(in_compute_dtype(self.mlp_norm(x))))
 
 
 class Transformer(nn.Module):
