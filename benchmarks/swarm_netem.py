@@ -1,24 +1,40 @@
 """Round time and trainer busy fraction of a swarm on slow links: peers in network namespaces (root, Linux).
 
     sudo python benchmarks/swarm_netem.py --data PATH/tinyshakespeare.txt [--peers 4] [--rate 100mbit] [--rtt-ms 40]
+        [--shaping netem|relay]
 
-Builds one network namespace per peer plus a hub namespace holding a bridge, joined by veth pairs; every
-peer's link is shaped with `tc netem` to `--rate` both ways and half of `--rtt-ms` of delay on the peer's
-egress (so any two peers see the full RTT between them). Then runs `--peers` real `tscale-peer join`
-processes, one per namespace, for `--steps` local steps each, and reads from their logs:
+Builds one network namespace per peer plus a hub namespace holding a bridge, joined by veth pairs. Two ways
+to shape the links:
+
+- `netem` (default): every peer's link is shaped with `tc netem` to `--rate` both ways and half of
+  `--rtt-ms` of delay on the peer's egress, so any two peers see the full RTT between them.
+- `relay`, for kernels without `sch_netem` (only tbf/htb, no delaying qdisc): `tc tbf` limits every link to
+  `--rate` both ways, and the delay comes from a TCP relay in each peer's namespace. The peer listens on
+  127.0.0.1 of its namespace only and announces the relay's address (`--announce-maddrs`), so every
+  connection to it crosses the relay, which holds each chunk half of `--rtt-ms` in each direction (a
+  timestamped queue, so the link stays full: no stop-and-wait). Any two peers then see the full RTT at the
+  application level. Unlike netem, TCP's own acknowledgements do not see the delay: each side's congestion
+  window grows on the short hop to the relay, so slow start over a long path is not reproduced.
+
+Then runs `--peers` real `tscale-peer join` processes, one per namespace, for `--steps` local steps each,
+and reads from their logs:
 
 - round time: wall seconds from starting a round's averaging to its result (matchmaking + all-reduce);
 - busy fraction: the share of the swarm loop's wall time spent inside `Trainer.local_step()`.
 
-Everything is torn down at the end (the namespaces, and with them the links). Nothing leaves the machine.
+Everything is torn down at the end (the namespaces, and with them the links and relays). Nothing leaves the
+machine: the only addresses are loopback and the namespaces' own 10.77.0.0/24.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import platform
 import re
 import statistics
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,13 +43,15 @@ from pathlib import Path
 
 PREFIX = "tsnet"
 SUBNET = "10.77.0"
+PEER_PORT = 31337  # relay shaping: each peer's p2pd on 127.0.0.1, its relay on the namespace's address
+ECHO_PORT = 7777
 
 
 def sh(*command: str) -> str:
     return subprocess.run(command, check=True, capture_output=True, text=True).stdout
 
 
-def build_network(peers: int, rate: str, rtt_ms: float, rate_only: bool) -> str:
+def build_network(peers: int, rate: str, rtt_ms: float, shaping: str) -> str:
     """Namespaces, bridge and shaped links; returns how the links are shaped."""
     hub = f"{PREFIX}-hub"
     sh("ip", "netns", "add", hub)
@@ -47,7 +65,7 @@ def build_network(peers: int, rate: str, rtt_ms: float, rate_only: bool) -> str:
         sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", f"tsv{i}")
         sh("ip", "-n", ns, "link", "set", f"tsv{i}", "up")
         sh("ip", "-n", hub, "link", "set", f"tsh{i}", "master", "br0", "up")
-        if rate_only:  # kernels without sch_netem: token-bucket rate limits, no added delay
+        if shaping == "relay":  # the rate here, the delay in the relays (start_relays)
             for where, device in ((ns, f"tsv{i}"), (hub, f"tsh{i}")):
                 sh("tc", "-n", where, "qdisc", "add", "dev", device, "root", "tbf",
                    "rate", rate, "burst", "64kb", "latency", "100ms")
@@ -56,7 +74,67 @@ def build_network(peers: int, rate: str, rtt_ms: float, rate_only: bool) -> str:
         sh("tc", "-n", ns, "qdisc", "add", "dev", f"tsv{i}", "root", "netem",
            "delay", f"{rtt_ms / 2}ms", "rate", rate, "limit", "100000")
         sh("tc", "-n", hub, "qdisc", "add", "dev", f"tsh{i}", "root", "netem", "rate", rate, "limit", "100000")
-    return f"tbf {rate} (no delay)" if rate_only else f"netem {rate}, {rtt_ms:.0f} ms RTT"
+    if shaping == "relay":
+        return f"tbf {rate} + relays adding {rtt_ms / 2:g} ms each way ({rtt_ms:g} ms RTT)"
+    return f"netem {rate}, {rtt_ms:g} ms RTT"
+
+
+async def relay(listen_host: str, port: int, delay_s: float) -> None:
+    """Forward connections on listen_host:port to 127.0.0.1:port, delaying every chunk by delay_s each way.
+
+    Each direction is a queue of (due time, bytes): reading never waits for delivery, so a full link stays
+    full and only latency is added. A half-close is passed on; an error on either side closes both."""
+    loop = asyncio.get_running_loop()
+
+    async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def deliver() -> None:
+            while (item := await queue.get()) is not None:
+                due, data = item
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+
+        delivery = asyncio.create_task(deliver())
+        try:
+            while data := await reader.read(1 << 16):
+                queue.put_nowait((loop.time() + delay_s, data))
+        finally:
+            queue.put_nowait(None)
+            await delivery
+
+    async def connection(client_reader, client_writer) -> None:
+        try:
+            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            client_writer.close()
+            return
+        for w in (client_writer, server_writer):  # small chunks go out at once, as they would on a wire
+            w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await asyncio.gather(forward(client_reader, server_writer), forward(server_reader, client_writer))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            client_writer.close()
+            server_writer.close()
+
+    server = await asyncio.start_server(connection, listen_host, port)
+    async with server:
+        await server.serve_forever()
+
+
+def start_relays(peers: int, rtt_ms: float, port: int) -> list[subprocess.Popen]:
+    """One relay per peer namespace, on the namespace's address, in front of 127.0.0.1:port."""
+    return [
+        subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}-{i}", sys.executable, __file__, "--relay",
+                          f"{SUBNET}.{i + 1}", str(port), str(rtt_ms / 2)])
+        for i in range(peers)
+    ]
 
 
 def tear_down(peers: int) -> None:
@@ -66,7 +144,7 @@ def tear_down(peers: int) -> None:
 
 ECHO_SERVER = """
 import socket
-server = socket.create_server(("{host}", 7777))
+server = socket.create_server(("{host}", {port}))
 connection, _ = server.accept()
 while data := connection.recv(64):
     connection.sendall(data)
@@ -75,7 +153,7 @@ ECHO_CLIENT = """
 import socket, statistics, time
 for attempt in range(50):
     try:
-        client = socket.create_connection(("{host}", 7777))
+        client = socket.create_connection(("{host}", {port}))
         break
     except OSError:
         time.sleep(0.1)
@@ -90,14 +168,23 @@ print(statistics.median(times) * 1000)
 """
 
 
-def measured_rtt_ms() -> float:
-    """Median TCP round trip between peer 0 and peer 1 (the machine has no ping)."""
+def measured_rtt_ms(shaping: str, rtt_ms: float) -> float:
+    """Median application-level round trip between peer 0 and peer 1 over TCP (the machine has no ping),
+    through a relay in relay shaping, as the peers' traffic goes."""
     host = f"{SUBNET}.2"
-    server = subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}-1", sys.executable, "-c", ECHO_SERVER.format(host=host)])
+    helpers = []
+    if shaping == "relay":
+        helpers.append(subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}-1", sys.executable, __file__, "--relay",
+                                         host, str(ECHO_PORT), str(rtt_ms / 2)]))
+    server_host = "127.0.0.1" if shaping == "relay" else host
+    helpers.append(subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}-1", sys.executable, "-c",
+                                     ECHO_SERVER.format(host=server_host, port=ECHO_PORT)]))
     try:
-        return float(sh("ip", "netns", "exec", f"{PREFIX}-0", sys.executable, "-c", ECHO_CLIENT.format(host=host)))
+        return float(sh("ip", "netns", "exec", f"{PREFIX}-0", sys.executable, "-c",
+                        ECHO_CLIENT.format(host=host, port=ECHO_PORT)))
     finally:
-        server.kill()
+        for helper in helpers:
+            helper.kill()
 
 
 def run_swarm(args, work: Path) -> list[str]:
@@ -110,8 +197,13 @@ def run_swarm(args, work: Path) -> list[str]:
     logs = [work / f"peer{i}.log" for i in range(args.peers)]
 
     def start(i: int, *extra: str) -> subprocess.Popen:
+        if args.shaping == "relay":  # reachable only through its relay
+            where = ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{PEER_PORT}",
+                     "--announce-maddrs", f"/ip4/{SUBNET}.{i + 1}/tcp/{PEER_PORT}"]
+        else:
+            where = ["--host-maddrs", f"/ip4/{SUBNET}.{i + 1}/tcp/0"]
         command = ["ip", "netns", "exec", f"{PREFIX}-{i}", sys.executable, "-m", "tscale_p2p.cli", "join",
-                   "--out", str(work / f"peer{i}"), "--host-maddrs", f"/ip4/{SUBNET}.{i + 1}/tcp/0", *common, *extra]
+                   "--out", str(work / f"peer{i}"), *where, *common, *extra]
         # Several peers share this machine's cores: one OpenMP thread each, or their spin-waits starve one another.
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         return subprocess.Popen(command, stdout=open(logs[i], "wb"), stderr=subprocess.STDOUT, env=env)
@@ -133,6 +225,10 @@ def run_swarm(args, work: Path) -> list[str]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--relay"]:  # one relay, started by start_relays inside a peer's namespace
+        host, port, delay_ms = sys.argv[2:5]
+        asyncio.run(relay(host, int(port), float(delay_ms) / 1000))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True)
     parser.add_argument("--peers", type=int, default=4)
@@ -144,24 +240,41 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--matchmaking-time", type=float, default=5.0)
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--rate-only", action="store_true",
-                        help="shape with tbf (rate only, no delay) where the kernel has no sch_netem")
+    parser.add_argument("--shaping", choices=("netem", "relay"), default="netem",
+                        help="netem: tc netem rate+delay; relay: tbf rate + delaying TCP relays (no sch_netem)")
+    parser.add_argument("--work", help="keep the peers' logs and checkpoints in this new folder (default: a temporary one)")
     args = parser.parse_args()
 
     tear_down(args.peers)  # leftovers of an interrupted run
+    relays: list[subprocess.Popen] = []
+    load_before = os.getloadavg()
     try:
         try:
-            shaping = build_network(args.peers, args.rate, args.rtt_ms, args.rate_only)
+            shaping = build_network(args.peers, args.rate, args.rtt_ms, args.shaping)
         except subprocess.CalledProcessError as error:
             raise SystemExit(f"cannot build the network ({' '.join(error.cmd)}: {error.stderr.strip()}); "
-                             "without sch_netem in the kernel, try --rate-only") from None
-        rtt = measured_rtt_ms()
-        with tempfile.TemporaryDirectory() as work:
-            logs = run_swarm(args, Path(work))
+                             "without sch_netem in the kernel, use --shaping relay") from None
+        rtt = measured_rtt_ms(args.shaping, args.rtt_ms)
+        if args.shaping == "relay":
+            relays = start_relays(args.peers, args.rtt_ms, PEER_PORT)
+        if args.work:
+            Path(args.work).mkdir(parents=True)
+            logs = run_swarm(args, Path(args.work))
+        else:
+            with tempfile.TemporaryDirectory() as work:
+                logs = run_swarm(args, Path(work))
     finally:
+        for process in relays:
+            process.kill()
         tear_down(args.peers)
+    load_after = os.getloadavg()
 
-    print(f"{args.peers} peers, links: {shaping} (TCP round trip: {rtt:.2f} ms), model {args.model}, "
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, {platform.node()}: "
+          f"{len(os.sched_getaffinity(0))} CPUs; load average (1/5/15 min) before "
+          f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)}")
+    print(f"{args.peers} peers, links: {shaping} (measured TCP round trip: {rtt:.2f} ms), model {args.model}, "
           f"batch {args.batch_size}, H={args.inner_steps}, {args.steps} steps per peer, matchmaking {args.matchmaking_time} s")
     print("| peer | rounds (with others / alone) | round time median (s) | max (s) | KiB sent/round | busy fraction |")
     print("| --- | --- | --- | --- | --- | --- |")
