@@ -215,6 +215,7 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--skip-swarm", action="store_true")
+    parser.add_argument("--skip-diloco", action="store_true", help="only the swarm and the one-process rows")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -224,8 +225,10 @@ def main() -> None:
 
     started = time.perf_counter()
     late_lrs = sorted({args.outer_lr, *(float(x) for x in args.tune_outer_lrs.split(",") if x)})
-    jobs = [(f"DiLoCo, exact mean, one round late, outer lr {lr} (one process)", "one round late", lr) for lr in late_lrs]
-    jobs.append((f"DiLoCo, exact mean, synchronous, outer lr {args.outer_lr} (one process)", "synchronous", args.outer_lr))
+    jobs = [] if args.skip_diloco else [
+        *((f"DiLoCo, exact mean, one round late, outer lr {lr} (one process)", "one round late", lr) for lr in late_lrs),
+        (f"DiLoCo, exact mean, synchronous, outer lr {args.outer_lr} (one process)", "synchronous", args.outer_lr),
+    ]
     jobs.append((f"one process, batch {args.peers * args.batch_size}, every step", "one process", 0.0))
     rows = []
     # The in-process rows train in worker processes while the swarm runs (spawn: CUDA cannot be forked).
@@ -235,6 +238,8 @@ def main() -> None:
             future.add_done_callback(lambda f, name=name: print(f"{name}: {f.result()[0]:.4f}", flush=True))
         if not args.skip_swarm:
             rows += swarm_rows(args, out)
+            for name, loss, _, notes in rows:
+                print(f"{name}: {loss:.4f} ({notes})", flush=True)
         for name, future in futures:
             loss, tokens = future.result()
             rows.append((name, loss, tokens, ""))

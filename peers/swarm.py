@@ -273,6 +273,8 @@ class SwarmPeer:
                     elapsed = time.perf_counter() - window_start
                     self._report(stats.loss.item(), window_tokens / elapsed, elapsed / window_steps, steps_in_round, log_line)
                     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+            if steps_in_round and not (should_stop() or self.status.stop_requested.is_set()):
+                self._end_round()  # the run is over: average its last steps too (they would be lost otherwise)
         finally:
             self.clock.stop()
             self._drain()
