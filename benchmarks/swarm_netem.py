@@ -20,7 +20,12 @@ Then runs `--peers` real `tscale-peer join` processes, one per namespace, for `-
 and reads from their logs:
 
 - round time: wall seconds from starting a round's averaging to its result (matchmaking + all-reduce);
-- busy fraction: the share of the swarm loop's wall time spent inside `Trainer.local_step()`.
+- busy fraction: the share of the swarm loop's wall time spent inside `Trainer.local_step()`, as the peer logs
+  it (the loop's wall time includes waiting for the last round's average before leaving);
+- with `--breakdown`, where the rest goes: a `sitecustomize` module the script writes into its work folder
+  (on the peers' PYTHONPATH; nothing in the package) wraps the swarm loop's pieces with timers and each peer
+  prints the totals at exit: the wait for the last round when leaving (drain), the round-end work (outer
+  step, weight snapshots, handing the pseudo-gradient to the averager) and the busy fraction without the drain.
 
 Everything is torn down at the end (the namespaces, and with them the links and relays). Nothing leaves the
 machine: the only addresses are loopback and the namespaces' own 10.77.0.0/24.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import re
@@ -187,6 +193,48 @@ def measured_rtt_ms(shaping: str, rtt_ms: float) -> float:
             helper.kill()
 
 
+BREAKDOWN_HOOK = """
+import sys
+_argv = open("/proc/self/cmdline", "rb").read().split(b"\\0")
+if b"join" in _argv and b"tscale_p2p.cli" in _argv:  # only the peers, not the relays or helpers
+    import atexit, functools, json, time
+    from tscale_p2p.peers.swarm import SwarmPeer
+    from tscale_p2p.trainer import Trainer
+    totals = {}
+
+    def timed(owner, name):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                count, seconds = totals.get(name, (0, 0.0))
+                totals[name] = (count + 1, seconds + time.perf_counter() - start)
+
+        setattr(owner, name, wrapper)
+
+    for owner, name in ((SwarmPeer, "run"), (SwarmPeer, "_end_round"), (SwarmPeer, "_drain"), (Trainer, "local_step")):
+        timed(owner, name)
+    atexit.register(lambda: print("SWARM_LOOP_TIMES " + json.dumps(totals), file=sys.stderr, flush=True))
+"""
+
+
+def breakdown_columns(log: str) -> str:
+    """Drain, round-end work and busy fraction without the drain, from a --breakdown peer's exit line."""
+    found = re.search(r"SWARM_LOOP_TIMES (.*)", log)
+    if not found:
+        return " n/a | n/a | n/a |"
+    times = {name: seconds for name, (_, seconds) in json.loads(found.group(1)).items()}
+    rounds = json.loads(found.group(1)).get("_end_round", (0, 0.0))[0]
+    drain = times.get("_drain", 0.0)
+    busy = times["local_step"] / (times["run"] - drain)
+    per_round = 1000 * times.get("_end_round", 0.0) / max(rounds, 1)
+    return f" {drain:.1f} | {per_round:.0f} | {100 * busy:.1f}% |"
+
+
 def run_swarm(args, work: Path) -> list[str]:
     common = [
         "--data", args.data, "--device", "cpu", "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
@@ -195,6 +243,10 @@ def run_swarm(args, work: Path) -> list[str]:
     ]
     founder_flags = ["--model", args.model, "--inner-steps", str(args.inner_steps), "--steps", str(10 * args.steps)]
     logs = [work / f"peer{i}.log" for i in range(args.peers)]
+    hook = work / "breakdown"
+    if args.breakdown:
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(BREAKDOWN_HOOK)
 
     def start(i: int, *extra: str) -> subprocess.Popen:
         if args.shaping == "relay":  # reachable only through its relay
@@ -206,6 +258,8 @@ def run_swarm(args, work: Path) -> list[str]:
                    "--out", str(work / f"peer{i}"), *where, *common, *extra]
         # Several peers share this machine's cores: one OpenMP thread each, or their spin-waits starve one another.
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if args.breakdown:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
         return subprocess.Popen(command, stdout=open(logs[i], "wb"), stderr=subprocess.STDOUT, env=env)
 
     processes = [start(0, *founder_flags)]
@@ -242,6 +296,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--shaping", choices=("netem", "relay"), default="netem",
                         help="netem: tc netem rate+delay; relay: tbf rate + delaying TCP relays (no sch_netem)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time the swarm loop's pieces in each peer (drain, round-end work); see above")
     parser.add_argument("--work", help="keep the peers' logs and checkpoints in this new folder (default: a temporary one)")
     args = parser.parse_args()
 
@@ -276,8 +332,9 @@ def main() -> None:
           f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)}")
     print(f"{args.peers} peers, links: {shaping} (measured TCP round trip: {rtt:.2f} ms), model {args.model}, "
           f"batch {args.batch_size}, H={args.inner_steps}, {args.steps} steps per peer, matchmaking {args.matchmaking_time} s")
-    print("| peer | rounds (with others / alone) | round time median (s) | max (s) | KiB sent/round | busy fraction |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    extra = " drain at exit (s) | round-end work (ms/round) | busy without the drain |" if args.breakdown else ""
+    print("| peer | rounds (with others / alone) | round time median (s) | max (s) | KiB sent/round | busy fraction |" + extra)
+    print("| --- " * (6 + 3 * args.breakdown) + "|")
     for i, log in enumerate(logs):
         grouped = re.findall(r"averaged with (\d+) peer\(s\) in ([\d.]+) s, sent ([\d.]+) KiB", log)
         alone = len(re.findall(r"averaged with nobody", log))
@@ -286,7 +343,7 @@ def main() -> None:
         busy = re.search(r"trainer busy ([\d.]+)%", log)
         print(f"| {i} | {len(grouped)} / {alone} | {statistics.median(times) if times else float('nan'):.2f} | "
               f"{max(times, default=float('nan')):.2f} | {statistics.mean(sent) if sent else float('nan'):.0f} | "
-              f"{busy.group(1) + '%' if busy else 'n/a'} |")
+              f"{busy.group(1) + '%' if busy else 'n/a'} |" + (breakdown_columns(log) if args.breakdown else ""))
 
 
 if __name__ == "__main__":
