@@ -216,6 +216,32 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     assert 1 in after_kill  # a and c still average together
 
 
+@pytest.mark.timeout(150)
+def test_a_peer_whose_global_weights_diverged_gets_back_in_step(spawn, text_file):
+    """b is frozen (SIGSTOP: a network outage) while a trains on and averages alone, so their global weights
+    diverge. Back, b finds its round based on other weights than its group's, downloads the state, and
+    from then on applies the same rounds to the same global weights as a."""
+    flags = [*TINY, "--inner-steps", "5", "--matchmaking-time", "1", "--averaging-timeout", "6"]
+    a = spawn("a", *join_args("a", text_file, "--run-id", "outage", "--name", "a", "--steps", "1000000", *flags))
+    founder = a.wait_for(r"tscale-peer join --initial-peers (\S+) --run-id outage", timeout=60)[0].group(1)
+    b = spawn("b", *join_args("b", text_file, "--initial-peers", founder, "--run-id", "outage", "--name", "b"))
+    b.wait_for(r"round \d+: averaged with 1 peer", timeout=60, count=2)
+    b.signal_group(signal.SIGSTOP)
+    try:
+        alone = len(re.findall("averaged with nobody", a.output()))
+        a.wait_for("averaged with nobody", timeout=60, count=alone + 2)
+    finally:
+        b.signal_group(signal.SIGCONT)
+    resynced = b.wait_for(r"back in step with the swarm at round (\d+), weights (\w+)", timeout=60)[0]
+    back_at = int(resynced.group(1))
+    b.wait_for(rf"round {back_at + 2}: averaged with 1 peer", timeout=60)
+    a.wait_for(rf"round {back_at + 2}: averaged with 1 peer", timeout=30)
+    stop_all([a, b])
+    history_a, history_b = rounds(a.output()), rounds(b.output())
+    for number in (back_at + 1, back_at + 2):
+        assert history_b[number] == history_a[number] == (1, history_a[number][1]), (history_a, history_b)
+
+
 @pytest.mark.timeout(60)
 def test_unreachable_initial_peer_is_retried_with_backoff_without_a_traceback(spawn, text_file):
     nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmX2jXBEjUG1a4Na2zp8icDAy92brp2EMDNKFt1eJp2gQS"
