@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
 import logging
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -120,7 +120,6 @@ class SwarmPeer:
         self.round = 0  # outer steps applied
         self._state_lock = threading.Lock()  # guards outer state + round for get_current_state's thread
         self._fingerprint = self.weights_fingerprint()  # of the global weights, refreshed when they change
-        self.resyncs = 0  # state downloads after finding our global weights out of step with the swarm
         self.averager: SwarmAverager = averager_factory(list(self.outer.weights.values()), self.shared_state)
         self.bytes_sent = self.bytes_received = 0
         self.last_averaging: float | None = None
@@ -363,7 +362,6 @@ class SwarmPeer:
                 self._fingerprint = self.weights_fingerprint()
             self.rounds.round_start = {n: w - pseudo_gradient[n] for n, w in self.outer.weights.items()}
         self.trainer.apply_outer_update(self.rounds.round_start)
-        self.resyncs += 1
         self._advertise_state()
         self.status.update(round=self.round)
         log.info("round %d: back in step with the swarm at round %d, weights %s", flight.number, self.round,
