@@ -42,7 +42,9 @@ from safetensors import safe_open
 from tscale_p2p.checkpoint import resume_from
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
+from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
 from tscale_p2p.model import ModelConfig
+from tscale_p2p.peers.codec import BLOCK_SIZE
 from tscale_p2p.peers.join import initial_weights
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
@@ -87,12 +89,22 @@ def one_process(args) -> tuple[float, int]:
     return trainer.evaluate().loss, trainer.tokens_seen
 
 
-def diloco_uncompressed(args, one_round_late: bool, outer_lr: float) -> tuple[float, int]:
-    """In-process DiLoCo rounds with the exact mean; `one_round_late` applies it as the swarm does."""
+def onebit(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """What SwarmAverager's 1-bit trip carries of x: signs + bf16 block scales (+ the sender's residual)."""
+    flat = x.contiguous().view(-1)
+    signs, scales = pack(flat, BLOCK_SIZE) if residual is None else error_feedback_pack(flat, residual.view(-1), BLOCK_SIZE)
+    return unpack(signs, scales, flat.numel(), BLOCK_SIZE).view(x.shape)
+
+
+def diloco_in_process(args, one_round_late: bool, outer_lr: float, compressed: bool = False) -> tuple[float, int]:
+    """In-process DiLoCo rounds; `one_round_late` applies the mean as the swarm does. The mean is exact, or
+    with `compressed` what SwarmAverager computes: each sender's 1-bit message with error feedback, the mean
+    of those, sent back as one 1-bit message (no reducer residual)."""
     args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr})
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
     outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum) for t in peers]  # identical copies
     rounds = [DelayedOuterStep(outer) for outer in outers]
+    residuals = [{n: torch.zeros_like(w) for n, w in outers[0].weights.items()} for _ in peers]
     previous = None
     for start in range(0, args.steps, args.inner_steps):
         deltas = []
@@ -106,7 +118,11 @@ def diloco_uncompressed(args, one_round_late: bool, outer_lr: float) -> tuple[fl
             else:  # synchronous: every peer restarts from the new global weights
                 delta = {n: w - now[n] for n, w in bookkeeping.round_start.items()}
             deltas.append(delta)
+        if compressed:
+            deltas = [{n: onebit(d[n], residual[n]) for n in d} for d, residual in zip(deltas, residuals)]
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
+        if compressed:
+            previous = {n: onebit(m, None) for n, m in previous.items()}
         if not one_round_late:
             for trainer, outer, bookkeeping in zip(peers, outers, rounds):
                 outer.step(previous)
@@ -194,7 +210,8 @@ def baseline(kind: str, args, outer_lr: float) -> tuple[float, int]:
     torch.set_num_threads(1)
     if kind == "one process":
         return one_process(args)
-    return diloco_uncompressed(args, one_round_late=kind == "one round late", outer_lr=outer_lr)
+    return diloco_in_process(args, one_round_late=kind != "synchronous", outer_lr=outer_lr,
+                             compressed=kind == "1-bit, one round late")
 
 
 def main() -> None:
@@ -215,7 +232,9 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--skip-swarm", action="store_true")
-    parser.add_argument("--skip-diloco", action="store_true", help="only the swarm and the one-process rows")
+    parser.add_argument("--skip-diloco", action="store_true", help="no exact-mean DiLoCo rows")
+    parser.add_argument("--onebit-outer-lrs", default="", help="comma-separated outer lrs of in-process 1-bit "
+                        "one-round-late rows (the swarm's arithmetic without the network)")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -229,6 +248,8 @@ def main() -> None:
         *((f"DiLoCo, exact mean, one round late, outer lr {lr} (one process)", "one round late", lr) for lr in late_lrs),
         (f"DiLoCo, exact mean, synchronous, outer lr {args.outer_lr} (one process)", "synchronous", args.outer_lr),
     ]
+    jobs += [(f"DiLoCo, 1-bit both ways as SwarmAverager, one round late, outer lr {float(lr)} (one process)",
+              "1-bit, one round late", float(lr)) for lr in args.onebit_outer_lrs.split(",") if lr]
     jobs.append((f"one process, batch {args.peers * args.batch_size}, every step", "one process", 0.0))
     rows = []
     # The in-process rows train in worker processes while the swarm runs (spawn: CUDA cannot be forked).
