@@ -26,7 +26,7 @@ def add_join_parser(commands) -> None:
         help="train together with a peer-to-peer swarm",
         description="Join a training swarm (or start one: without --initial-peers this peer founds a new run and "
         "prints the line others use to join). Joiners adopt the run's model and schedule, so they need no "
-        "model flags; Ctrl+C saves a checkpoint and leaves.",
+        "model flags; Ctrl+C saves a checkpoint and leaves (a second Ctrl+C leaves at once).",
     )
     swarm = join.add_argument_group("swarm")
     swarm.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
@@ -79,13 +79,17 @@ def add_peers_parser(commands) -> None:
 
 def run_join(args: argparse.Namespace) -> int:
     """Train in the swarm: behind the dashboard on a terminal, with plain log lines otherwise (or --no-tui)."""
-    from tscale_p2p.peers.join import join
+    from tscale_p2p.peers.join import INTERRUPTED, join
     from tscale_p2p.peers.status import LocalStatus
 
     cfg, explicit, options = join_inputs(args)
     status = LocalStatus()
     if args.no_tui or not sys.stdout.isatty():
-        return join(cfg, explicit, options, status)
+        try:
+            return join(cfg, explicit, options, status)
+        except KeyboardInterrupt:  # Ctrl+C before join() took over SIGINT (while starting up)
+            print(INTERRUPTED, file=sys.stderr)
+            return 130
     from tscale_p2p.tui.app import run_dashboard_while  # peers must not import the tui at module level
 
     return run_dashboard_while(

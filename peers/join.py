@@ -9,7 +9,7 @@ Order of a join, and why:
 3. Build the trainer (resuming from a local checkpoint when there is one) with the run's initial weights,
    start the averager, and download the current shared weights and outer momentum from a live peer.
 4. Run `SwarmPeer` until --max-steps, the run's last step, Ctrl+C/SIGTERM, or the dashboard asks to stop;
-   then save a checkpoint and leave (exit 0).
+   then save a checkpoint and leave (exit 0). A second Ctrl+C leaves at once (exit 130).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,6 +57,7 @@ DEFAULT_INNER_STEPS = 100
 DEFAULT_OUTER_LR = 0.35
 DEFAULT_OUTER_MOMENTUM = 0.9
 STATE_DOWNLOAD_ATTEMPTS = 3
+INTERRUPTED = "tscale-peer: interrupted; the last checkpoint written stays valid"
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ def join(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalSt
 
 def _join_until_stopped(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus) -> int:
     with GracefulStop() as stop:
+        _leave_at_once_on_second_ctrl_c(stop)
         should_stop = lambda: stop.requested or status.stop_requested.is_set()  # noqa: E731
         dht = start_dht(options.network, should_stop)
         if dht is None:
@@ -193,6 +198,27 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
     finally:
         peer.shutdown()
     return 0
+
+
+def _leave_at_once_on_second_ctrl_c(stop: GracefulStop) -> None:
+    """The first Ctrl+C asks `stop` to finish the round, save and leave; a second one exits at once (130).
+
+    GracefulStop raises KeyboardInterrupt then, wherever the main thread is: in the middle of a call to
+    hivemind's DHT or averager process that leaves them with half a message and a traceback. Exiting without
+    unwinding is clean instead: those processes, and p2pd, die with this one (PR_SET_PDEATHSIG, see
+    peers/network.py), and every checkpoint on disk is whole (writes are atomic)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # under the dashboard: it has its own stop button
+    first = signal.getsignal(signal.SIGINT)
+
+    def handle(signum, frame):
+        if not stop.requested:
+            first(signum, frame)
+            return
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, handle)
 
 
 def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, corpus, device) -> RunConfig:

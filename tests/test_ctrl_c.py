@@ -82,6 +82,28 @@ def test_ctrl_c_during_join_saves_and_exits_0_without_a_traceback(tmp_path):
     assert not alive, alive  # p2pd, the DHT and the averager ended with it
 
 
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_during_join_leaves_at_once_in_one_line(tmp_path):
+    (tmp_path / "corpus.txt").write_text("the swarm trains one model together while every peer keeps its pace. " * 400)
+    # A long matchmaking window: after the first Ctrl+C the peer waits for its last round, the second one cuts it short.
+    join = Command(tmp_path, "join", "--no-tui", "--out", "out", "--data", "corpus.txt", "--host-maddrs",
+                   "/ip4/127.0.0.1/tcp/0", "--model", "e32h2d2w64", "--batch-size", "4", "--device", "cpu",
+                   "--log-every", "5", "--save-every", "0", "--inner-steps", "5", "--matchmaking-time", "30",
+                   "--averaging-timeout", "60", "--threads", "1")
+    try:
+        join.wait_until(lambda: "step 10 " in join.err(), "training")
+        os.killpg(join.popen.pid, signal.SIGINT)
+        join.wait_until(lambda: "SIGINT received" in join.err(), "the first Ctrl+C", timeout=30)
+        code, alive = join.ctrl_c(timeout=30)
+    finally:
+        join.kill()
+    err = join.err()
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "tscale-peer: interrupted; the last checkpoint written stays valid"
+    assert not alive, alive
+
+
 @pytest.mark.timeout(90)
 def test_ctrl_c_during_an_infer_fetch_says_one_line_and_exits_130(tmp_path):
     """The run is published but nobody serves its state, so `infer` keeps trying to download it: Ctrl+C then."""
