@@ -278,6 +278,15 @@ def run_swarm(args, work: Path) -> list[str]:
     return [log.read_text(errors="replace") for log in logs]
 
 
+def source_version() -> str:
+    """The commit the peers run, and whether the working tree differs from it (the code they really run)."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", *command], capture_output=True, text=True, cwd=Path(__file__).parent).stdout
+
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    return f"commit {git('rev-parse', '--short', 'HEAD').strip()}" + (" + uncommitted changes" if dirty else "")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--relay"]:  # one relay, started by start_relays inside a peer's namespace
         host, port, delay_ms = sys.argv[2:5]
@@ -304,6 +313,7 @@ def main() -> None:
     tear_down(args.peers)  # leftovers of an interrupted run
     relays: list[subprocess.Popen] = []
     load_before = os.getloadavg()
+    started, commit = time.strftime("%Y-%m-%d %H:%M", time.gmtime()), source_version()
     try:
         try:
             shaping = build_network(args.peers, args.rate, args.rtt_ms, args.shaping)
@@ -325,9 +335,7 @@ def main() -> None:
         tear_down(args.peers)
     load_after = os.getloadavg()
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, {platform.node()}: "
+    print(f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}, {commit}, {platform.node()}: "
           f"{len(os.sched_getaffinity(0))} CPUs; load average (1/5/15 min) before "
           f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)}")
     print(f"{args.peers} peers, links: {shaping} (measured TCP round trip: {rtt:.2f} ms), model {args.model}, "
