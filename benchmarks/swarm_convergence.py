@@ -96,15 +96,21 @@ def onebit(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     return unpack(signs, scales, flat.numel(), BLOCK_SIZE).view(x.shape)
 
 
-def diloco_in_process(args, one_round_late: bool, outer_lr: float, compressed: bool = False) -> tuple[float, int]:
-    """In-process DiLoCo rounds; `one_round_late` applies the mean as the swarm does. The mean is exact, or
-    with `compressed` what SwarmAverager computes: each sender's 1-bit message with error feedback, the mean
-    of those, sent back as one 1-bit message (no reducer residual)."""
+# How the in-process rows average: each trip (sender -> reducer, reducer -> senders) is exact or 1-bit;
+# "swarm" is what SwarmAverager computes (1-bit up with the sender's error feedback, the mean sent back as one
+# 1-bit message without a reducer residual).
+TRIPS = {"exact": ("exact", "exact"), "swarm": ("ef", "1bit"), "1-bit up only": ("ef", "exact"),
+         "1-bit both ways, both with error feedback": ("ef", "ef")}
+
+
+def diloco_in_process(args, one_round_late: bool, outer_lr: float, averaging: str = "exact") -> tuple[float, int]:
+    """In-process DiLoCo rounds; `one_round_late` applies the mean as the swarm does; `averaging`: see TRIPS."""
+    up, down = TRIPS[averaging]
     args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr})
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
     outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum) for t in peers]  # identical copies
     rounds = [DelayedOuterStep(outer) for outer in outers]
-    residuals = [{n: torch.zeros_like(w) for n, w in outers[0].weights.items()} for _ in peers]
+    residuals = [{n: torch.zeros_like(w) for n, w in outers[0].weights.items()} for _ in range(len(peers) + 1)]
     previous = None
     for start in range(0, args.steps, args.inner_steps):
         deltas = []
@@ -118,11 +124,11 @@ def diloco_in_process(args, one_round_late: bool, outer_lr: float, compressed: b
             else:  # synchronous: every peer restarts from the new global weights
                 delta = {n: w - now[n] for n, w in bookkeeping.round_start.items()}
             deltas.append(delta)
-        if compressed:
+        if up == "ef":
             deltas = [{n: onebit(d[n], residual[n]) for n in d} for d, residual in zip(deltas, residuals)]
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
-        if compressed:
-            previous = {n: onebit(m, None) for n, m in previous.items()}
+        if down != "exact":
+            previous = {n: onebit(m, residuals[-1][n] if down == "ef" else None) for n, m in previous.items()}
         if not one_round_late:
             for trainer, outer, bookkeeping in zip(peers, outers, rounds):
                 outer.step(previous)
@@ -210,8 +216,8 @@ def baseline(kind: str, args, outer_lr: float) -> tuple[float, int]:
     torch.set_num_threads(1)
     if kind == "one process":
         return one_process(args)
-    return diloco_in_process(args, one_round_late=kind != "synchronous", outer_lr=outer_lr,
-                             compressed=kind == "1-bit, one round late")
+    timing, averaging = kind.split(":")
+    return diloco_in_process(args, one_round_late=timing == "one round late", outer_lr=outer_lr, averaging=averaging)
 
 
 def main() -> None:
@@ -235,6 +241,8 @@ def main() -> None:
     parser.add_argument("--skip-diloco", action="store_true", help="no exact-mean DiLoCo rows")
     parser.add_argument("--onebit-outer-lrs", default="", help="comma-separated outer lrs of in-process 1-bit "
                         "one-round-late rows (the swarm's arithmetic without the network)")
+    parser.add_argument("--onebit-variants", action="store_true", help="in-process rows at --outer-lr that "
+                        "tell the codec's trips and the one-round delay apart")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -245,11 +253,19 @@ def main() -> None:
     started = time.perf_counter()
     late_lrs = sorted({args.outer_lr, *(float(x) for x in args.tune_outer_lrs.split(",") if x)})
     jobs = [] if args.skip_diloco else [
-        *((f"DiLoCo, exact mean, one round late, outer lr {lr} (one process)", "one round late", lr) for lr in late_lrs),
-        (f"DiLoCo, exact mean, synchronous, outer lr {args.outer_lr} (one process)", "synchronous", args.outer_lr),
+        *((f"DiLoCo, exact mean, one round late, outer lr {lr} (one process)", "one round late:exact", lr)
+          for lr in late_lrs),
+        (f"DiLoCo, exact mean, synchronous, outer lr {args.outer_lr} (one process)", "synchronous:exact", args.outer_lr),
     ]
     jobs += [(f"DiLoCo, 1-bit both ways as SwarmAverager, one round late, outer lr {float(lr)} (one process)",
-              "1-bit, one round late", float(lr)) for lr in args.onebit_outer_lrs.split(",") if lr]
+              "one round late:swarm", float(lr)) for lr in args.onebit_outer_lrs.split(",") if lr]
+    if args.onebit_variants:
+        jobs += [(f"DiLoCo, {name}, {timing}, outer lr {args.outer_lr} (one process)", f"{timing}:{averaging}",
+                  args.outer_lr) for name, timing, averaging in (
+            ("1-bit both ways as SwarmAverager", "synchronous", "swarm"),
+            ("1-bit up only (exact mean back)", "one round late", "1-bit up only"),
+            ("1-bit both ways, with a reducer residual too", "one round late", "1-bit both ways, both with error feedback"),
+        )]
     jobs.append((f"one process, batch {args.peers * args.batch_size}, every step", "one process", 0.0))
     rows = []
     # The in-process rows train in worker processes while the swarm runs (spawn: CUDA cannot be forked).
