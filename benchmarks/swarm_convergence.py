@@ -100,7 +100,15 @@ def onebit(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 # "swarm" is what SwarmAverager computes (1-bit up with the sender's error feedback, the mean sent back as one
 # 1-bit message without a reducer residual).
 TRIPS = {"exact": ("exact", "exact"), "swarm": ("ef", "1bit"), "1-bit up only": ("ef", "exact"),
-         "1-bit both ways, both with error feedback": ("ef", "ef")}
+         "1-bit both ways, both with error feedback": ("ef", "ef"), "1-bit both ways, no error feedback": ("1bit", "1bit")}
+# --onebit-variants: key -> (row label, timing, TRIPS key)
+VARIANTS = {
+    "sync": ("1-bit both ways as SwarmAverager", "synchronous", "swarm"),
+    "up-only": ("1-bit up only (exact mean back)", "one round late", "1-bit up only"),
+    "reducer-ef": ("1-bit both ways, with a reducer residual too", "one round late", "1-bit both ways, both with error feedback"),
+    "no-ef": ("1-bit both ways, no error feedback", "one round late", "1-bit both ways, no error feedback"),
+    "no-ef-sync": ("1-bit both ways, no error feedback", "synchronous", "1-bit both ways, no error feedback"),
+}
 
 
 def diloco_in_process(args, one_round_late: bool, outer_lr: float, averaging: str = "exact") -> tuple[float, int]:
@@ -124,8 +132,9 @@ def diloco_in_process(args, one_round_late: bool, outer_lr: float, averaging: st
             else:  # synchronous: every peer restarts from the new global weights
                 delta = {n: w - now[n] for n, w in bookkeeping.round_start.items()}
             deltas.append(delta)
-        if up == "ef":
-            deltas = [{n: onebit(d[n], residual[n]) for n in d} for d, residual in zip(deltas, residuals)]
+        if up != "exact":
+            deltas = [{n: onebit(d[n], residual[n] if up == "ef" else None) for n in d}
+                      for d, residual in zip(deltas, residuals)]
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
         if down != "exact":
             previous = {n: onebit(m, residuals[-1][n] if down == "ef" else None) for n, m in previous.items()}
@@ -241,8 +250,8 @@ def main() -> None:
     parser.add_argument("--skip-diloco", action="store_true", help="no exact-mean DiLoCo rows")
     parser.add_argument("--onebit-outer-lrs", default="", help="comma-separated outer lrs of in-process 1-bit "
                         "one-round-late rows (the swarm's arithmetic without the network)")
-    parser.add_argument("--onebit-variants", action="store_true", help="in-process rows at --outer-lr that "
-                        "tell the codec's trips and the one-round delay apart")
+    parser.add_argument("--onebit-variants", default="", help="comma-separated keys of in-process rows at "
+                        f"--outer-lr that tell the codec's trips and the one-round delay apart: {', '.join(VARIANTS)}")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -259,13 +268,10 @@ def main() -> None:
     ]
     jobs += [(f"DiLoCo, 1-bit both ways as SwarmAverager, one round late, outer lr {float(lr)} (one process)",
               "one round late:swarm", float(lr)) for lr in args.onebit_outer_lrs.split(",") if lr]
-    if args.onebit_variants:
-        jobs += [(f"DiLoCo, {name}, {timing}, outer lr {args.outer_lr} (one process)", f"{timing}:{averaging}",
-                  args.outer_lr) for name, timing, averaging in (
-            ("1-bit both ways as SwarmAverager", "synchronous", "swarm"),
-            ("1-bit up only (exact mean back)", "one round late", "1-bit up only"),
-            ("1-bit both ways, with a reducer residual too", "one round late", "1-bit both ways, both with error feedback"),
-        )]
+    for key in filter(None, args.onebit_variants.split(",")):
+        name, timing, averaging = VARIANTS[key]
+        jobs.append((f"DiLoCo, {name}, {timing}, outer lr {args.outer_lr} (one process)", f"{timing}:{averaging}",
+                     args.outer_lr))
     jobs.append((f"one process, batch {args.peers * args.batch_size}, every step", "one process", 0.0))
     rows = []
     # The in-process rows train in worker processes while the swarm runs (spawn: CUDA cannot be forked).
