@@ -381,7 +381,7 @@ class SwarmPeer:
                 bytes_down=outcome.bytes_received,
                 duration_s=outcome.seconds,
                 bits_per_param=8 * outcome.bytes_sent / numel,
-                dropped_peers=0,
+                dropped_peers=outcome.dropped_peers,
             )
         )
         self.status.update(round=flight.number, averaging_in_flight=False)
@@ -454,6 +454,7 @@ class SwarmPeer:
             version=__version__,
             relayed=self.identity.relayed,
             updated_at=time.time(),
+            dropped_peers=snap.averaging[-1].dropped_peers if snap.averaging else 0,
         )
 
     def _publish_loop(self) -> None:

@@ -196,6 +196,7 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     assert records["a"]["step"] > 0 and records["a"]["device"] == "cpu" and records["a"]["precision"] == "fp32"
     assert records["a"]["offload"] is False and records["a"]["relayed"] is False
     assert records["b"]["round"] >= 2 and records["b"]["bytes_sent"] > 0 and records["b"]["last_averaging"]
+    assert records["b"]["dropped_peers"] == 0  # from its last round's outcome
 
     for flags, named in ((["--model", "e64h2d2w64"], "--model e64h2d2w64 contradicts"),
                          (["--inner-steps", "7"], "--inner-steps 7 contradicts")):
@@ -208,8 +209,13 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     killed_at = time.monotonic()
     last_round = {survivor: max(rounds(survivor.output())) for survivor in (a, c)}
     # The survivors keep completing rounds: none waits for the dead peer beyond the averaging timeout (10 s).
+    # (A survivor whose round the kill left on other weights than the other's re-downloads the state and may
+    # skip a round number, hence "at least".)
     for survivor in (a, c):
-        survivor.wait_for(rf"round {last_round[survivor] + 2}: averaged", timeout=60)
+        deadline = time.monotonic() + 60
+        while max(rounds(survivor.output())) < last_round[survivor] + 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert max(rounds(survivor.output())) >= last_round[survivor] + 2, survivor.output()[-3000:]
     assert time.monotonic() - killed_at < 45
     stop_all([a, c])
     after_kill = [others for number, (others, _) in rounds(a.output()).items() if number > last_round[a] + 1]
