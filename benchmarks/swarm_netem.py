@@ -21,7 +21,7 @@ and reads from their logs:
 
 - round time: wall seconds from starting a round's averaging to its result (matchmaking + all-reduce);
 - busy fraction: the share of the swarm loop's wall time spent inside `Trainer.local_step()`, as the peer logs
-  it (the loop's wall time includes waiting for the last round's average before leaving);
+  it (while training: the wait for the last round's average before leaving is logged apart);
 - with `--breakdown`, where the rest goes: a `sitecustomize` module the script writes into its work folder
   (on the peers' PYTHONPATH; nothing in the package) wraps the swarm loop's pieces with timers and each peer
   prints the totals at exit: the wait for the last round when leaving (drain), the round-end work (outer

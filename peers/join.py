@@ -190,8 +190,9 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             peer.run(should_stop)
         if peer.wall_s > 0:
             log.info(
-                "trainer busy %.1f%% of %.0f s in the swarm loop; %d tokens contributed",
-                100 * peer.training_s / peer.wall_s, peer.wall_s, peer.tokens_contributed,
+                "trainer busy %.1f%% of %.0f s in the swarm loop; %.1f s to average the last round on leaving; "
+                "%d tokens contributed",
+                100 * peer.training_s / peer.wall_s, peer.wall_s, peer.drain_s, peer.tokens_contributed,
             )
         path = peer.save()
         log.info("checkpoint written to %s", path)

@@ -129,7 +129,8 @@ class SwarmPeer:
         self._stop_publishing = threading.Event()
         self._publisher = threading.Thread(target=self._publish_loop, name="swarm-metrics", daemon=True)
         self.clock = RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
-        self.training_s = self.wall_s = 0.0  # for the busy fraction
+        self.training_s = self.wall_s = 0.0  # for the busy fraction while training
+        self.drain_s = 0.0  # waiting for the round in flight when leaving
 
     # ---- state shared with joiners (called from hivemind's background thread) ----
 
@@ -276,8 +277,10 @@ class SwarmPeer:
                 self._end_round()  # the run is over: average its last steps too (they would be lost otherwise)
         finally:
             self.clock.stop()
-            self._drain()
             self.wall_s = time.perf_counter() - loop_start
+            drain_start = time.perf_counter()
+            self._drain()
+            self.drain_s = time.perf_counter() - drain_start
             self._stop_publishing.set()
             self._publisher.join(timeout=10)
 
