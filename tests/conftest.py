@@ -1,6 +1,7 @@
 """Test-session set-up shared by every module."""
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,13 @@ import torch
 # i.e. when a kernels module is first imported, so it is set here, before any test module is collected.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Several tests press Ctrl+C on the programs they start, as a terminal would on a foreground program. A shell
+# without job control starts background commands with SIGINT ignored, and started programs inherit that, so
+# a suite run in the background would see them shrug Ctrl+C off. Catching it here gives them the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

@@ -182,10 +182,14 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     downloaded = int(c.wait_for(r"downloaded the state of round (\d+)", timeout=60)[0].group(1))
     assert downloaded >= 2
     # The joiner's state is a round old by the time it averages (the others' round was in flight): it must
-    # not stay an outer step behind, but apply the same rounds as the others, to the same global weights.
-    c.wait_for(r"round \d+: averaged with 2 peer", timeout=60, count=2)
-    in_step = [r for r, (others, fingerprint) in rounds(c.output()).items()
-               if others == 2 and rounds(a.output()).get(r, (0, None))[1] == fingerprint]
+    # not stay an outer step behind, but within a few rounds (a re-download, if its base is found out of step)
+    # apply the same rounds as the others, to the same global weights.
+    for count in range(2, 6):
+        c.wait_for(r"round \d+: averaged with 2 peer", timeout=60, count=count)
+        in_step = [r for r, (others, fingerprint) in rounds(c.output()).items()
+                   if others == 2 and rounds(a.output()).get(r, (0, None))[1] == fingerprint]
+        if in_step:
+            break
     assert in_step, (rounds(a.output()), rounds(c.output()))
     assert re.search(r"joined run 'late'.*model e32h2d2w64, 5 inner steps", c.output())  # adopted, no model flags
 
