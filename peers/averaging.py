@@ -58,7 +58,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import CompressionInfo, TensorRole
@@ -106,6 +106,15 @@ class PendingRound:
 
     def done(self) -> bool:
         return self._control.done()
+
+    def give_up_if_alone(self, after_s: float) -> bool:
+        """Cancel the round if it has been looking for a group for `after_s` seconds since it started (nobody to
+        average with); `result()` then reports it as averaged alone. True if it was cancelled."""
+        if self._control.done() or self._control.stage != AveragingStage.LOOKING_FOR_GROUP:
+            return False
+        if time.perf_counter() - self._started < after_s:
+            return False
+        return self._control.cancel()
 
     def result(self, timeout: Optional[float] = None) -> RoundOutcome:
         """Wait for the round (at most `timeout` s; TimeoutError after that). Never raises for network failures."""
@@ -206,6 +215,7 @@ class SwarmAverager(DecentralizedAverager):
         if (part_size_bytes * 8) % self.codec.block_size:  # parts must hold whole blocks (see OneBitCodec)
             raise ValueError(f"part_size_bytes={part_size_bytes} does not hold a whole number of blocks")
         self.round_timeout, self.max_norm_ratio = round_timeout, max_norm_ratio
+        self.matchmaking_time = matchmaking_time
         self.sender_error_feedback, self.reducer_error_feedback = sender_error_feedback, reducer_error_feedback
         self._state_source = state_source
 

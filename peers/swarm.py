@@ -238,6 +238,7 @@ class SwarmPeer:
         session_steps, steps_in_round = 0, 0
         window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         loop_start = round_start = time.perf_counter()
+        loop_end = None  # the training loop's end; what follows is leaving
         try:
             while not (should_stop() or self._should_stop(session_steps)):
                 if self.status.paused.is_set():  # the averager keeps serving state meanwhile
@@ -273,14 +274,15 @@ class SwarmPeer:
                     elapsed = time.perf_counter() - window_start
                     self._report(stats.loss.item(), window_tokens / elapsed, elapsed / window_steps, steps_in_round, log_line)
                     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+            loop_end = time.perf_counter()
             if steps_in_round and not (should_stop() or self.status.stop_requested.is_set()):
+                self._settle_in_flight()
                 self._end_round()  # the run is over: average its last steps too (they would be lost otherwise)
         finally:
             self.clock.stop()
-            self.wall_s = time.perf_counter() - loop_start
-            drain_start = time.perf_counter()
+            loop_end = loop_end or time.perf_counter()
             self._drain()
-            self.drain_s = time.perf_counter() - drain_start
+            self.wall_s, self.drain_s = loop_end - loop_start, time.perf_counter() - loop_end
             self._stop_publishing.set()
             self._publisher.join(timeout=10)
 
@@ -412,9 +414,20 @@ class SwarmPeer:
         return digest.hexdigest()[:12]
 
     def _drain(self) -> None:
-        """On the way out, wait for the round in flight (bounded by its timeouts) and apply its average."""
+        """On the way out, wait for the round in flight and apply its average."""
         if self._in_flight is not None:
+            self._settle_in_flight()
             self._finish_round()
+
+    def _settle_in_flight(self) -> None:
+        """Leaving: wait for the round in flight, but give it up (this peer's own update is applied) if it is still
+        looking for a group twice its matchmaking time after it started: the others have left, and the
+        averaging timeout may be far off."""
+        if self._in_flight is None:
+            return
+        pending, patience = self._in_flight.pending, 2 * self.averager.matchmaking_time
+        while not pending.done() and not pending.give_up_if_alone(after_s=patience):
+            time.sleep(0.1)
 
     # ---- reporting ----
 

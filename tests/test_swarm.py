@@ -289,9 +289,14 @@ def test_a_restarted_peer_keeps_its_id_run_and_swarm_state(spawn, tmp_path, text
     peer_id = re.search(r"peer id (\w+)", first.output()).group(1)
     rounds_done = max(rounds(first.output()))
     # No model flags the second time: the run config saved beside the checkpoints says what the run is.
-    second = spawn("second", *join_args("solo", text_file, "--run-id", "again", "--max-steps", "4", "--log-every", "1"))
+    # Alone, with a long averaging timeout: the round in flight when it leaves is given up after twice the
+    # matchmaking time, not waited for until the timeout.
+    second = spawn("second", *join_args("solo", text_file, "--run-id", "again", "--max-steps", "4", "--log-every", "1",
+                                        "--matchmaking-time", "0.5", "--averaging-timeout", "60"))
     assert second.wait(90) == 0, second.output()[-3000:]
     log = second.output()
+    leaving = float(re.search(r"([\d.]+) s to average the last round on leaving", log).group(1))
+    assert leaving < 10, log[-3000:]
     assert f"peer id {peer_id}" in log
     assert "continuing run 'again'" in log and "model e32h2d2w64" in log
     assert f"continuing from the saved swarm state of round {rounds_done}" in log
