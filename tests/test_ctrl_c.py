@@ -63,13 +63,18 @@ class Command:
         self.popen.wait(10)
 
 
+def start_join(tmp_path, matchmaking_time: str, averaging_timeout: str) -> Command:
+    """A lone loopback `join` of a tiny model, rounds of 5 steps."""
+    (tmp_path / "corpus.txt").write_text("the swarm trains one model together while every peer keeps its pace. " * 400)
+    return Command(tmp_path, "join", "--no-tui", "--out", "out", "--data", "corpus.txt", "--host-maddrs",
+                   "/ip4/127.0.0.1/tcp/0", "--model", "e32h2d2w64", "--batch-size", "4", "--device", "cpu",
+                   "--log-every", "5", "--save-every", "0", "--inner-steps", "5", "--matchmaking-time",
+                   matchmaking_time, "--averaging-timeout", averaging_timeout, "--threads", "1")
+
+
 @pytest.mark.timeout(150)
 def test_ctrl_c_during_join_saves_and_exits_0_without_a_traceback(tmp_path):
-    (tmp_path / "corpus.txt").write_text("the swarm trains one model together while every peer keeps its pace. " * 400)
-    join = Command(tmp_path, "join", "--no-tui", "--out", "out", "--data", "corpus.txt", "--host-maddrs",
-                   "/ip4/127.0.0.1/tcp/0", "--model", "e32h2d2w64", "--batch-size", "4", "--device", "cpu",
-                   "--log-every", "5", "--save-every", "0", "--inner-steps", "5", "--matchmaking-time", "1",
-                   "--averaging-timeout", "2", "--threads", "1")
+    join = start_join(tmp_path, matchmaking_time="1", averaging_timeout="2")
     try:
         join.wait_until(lambda: "step 10 " in join.err(), "training")  # a round is averaging in the background
         code, alive = join.ctrl_c(timeout=60)
@@ -84,12 +89,8 @@ def test_ctrl_c_during_join_saves_and_exits_0_without_a_traceback(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_second_ctrl_c_during_join_leaves_at_once_in_one_line(tmp_path):
-    (tmp_path / "corpus.txt").write_text("the swarm trains one model together while every peer keeps its pace. " * 400)
     # A long matchmaking window: after the first Ctrl+C the peer waits for its last round, the second one cuts it short.
-    join = Command(tmp_path, "join", "--no-tui", "--out", "out", "--data", "corpus.txt", "--host-maddrs",
-                   "/ip4/127.0.0.1/tcp/0", "--model", "e32h2d2w64", "--batch-size", "4", "--device", "cpu",
-                   "--log-every", "5", "--save-every", "0", "--inner-steps", "5", "--matchmaking-time", "30",
-                   "--averaging-timeout", "60", "--threads", "1")
+    join = start_join(tmp_path, matchmaking_time="30", averaging_timeout="60")
     try:
         join.wait_until(lambda: "step 10 " in join.err(), "training")
         os.killpg(join.popen.pid, signal.SIGINT)
