@@ -344,7 +344,7 @@ def main() -> None:
     print("| peer | rounds (with others / alone) | round time median (s) | max (s) | KiB sent/round | busy fraction |" + extra)
     print("| --- " * (6 + 3 * args.breakdown) + "|")
     for i, log in enumerate(logs):
-        grouped = re.findall(r"averaged with (\d+) peer\(s\) in ([\d.]+) s, sent ([\d.]+) KiB", log)
+        grouped = re.findall(r"averaged with (\d+) peer\(s\)(?:, lost \d+ of them mid-round)? in ([\d.]+) s, sent ([\d.]+) KiB", log)
         alone = len(re.findall(r"averaged with nobody", log))
         times = [float(t) for _, t, _ in grouped]
         sent = [float(k) for _, _, k in grouped]

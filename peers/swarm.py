@@ -393,10 +393,14 @@ class SwarmPeer:
         if outcome.averaged is None:
             log.info("round %d: averaged with nobody (%s); continuing alone", flight.number, outcome.error or "no peers")
         else:
+            # A groupmate lost mid-round leaves a span of our average different from the others' (zero, or
+            # without that sender): say so, since the weights then differ until the next round's resync.
+            lost = f", lost {outcome.dropped_peers} of them mid-round" if outcome.dropped_peers else ""
             log.info(
-                "round %d: averaged with %d peer(s) in %.1f s, sent %.1f KiB, received %.1f KiB, weights %s",
+                "round %d: averaged with %d peer(s)%s in %.1f s, sent %.1f KiB, received %.1f KiB, weights %s",
                 flight.number,
                 outcome.group_size - 1,
+                lost,
                 outcome.seconds,
                 outcome.bytes_sent / 1024,
                 outcome.bytes_received / 1024,
