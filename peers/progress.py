@@ -13,8 +13,10 @@ all of them reach that sum at about the same moment: a fast peer makes more than
 and they meet in one group (the average is weighted by tokens, so each step counts the same).
 
 Round numbers ("epochs") are the rounds a peer has ended, which is the same for peers that share the
-swarm's global weights. A peer that sees a fresh record of a later epoch is late: it ends its round now.
-What other peers publish is untrusted: malformed records are ignored and extrapolations are clamped.
+swarm's global weights. A peer that sees most of the others in a later epoch is late: it ends its round now.
+A minority ahead counts as having made its H steps. What other peers publish is untrusted: malformed records
+are ignored, extrapolations are clamped, and a peer (or a few) that claims to be ahead can make the others'
+rounds shorter by no more than its own share, so it cannot make every round end at once.
 The extrapolation uses each peer's clock (`time.time()`, as hivemind's DHT does); clock skew between
 machines only shifts the estimate by the skew times the peer's step rate.
 """
@@ -94,19 +96,26 @@ class RoundClock:
 
     def peers_in(self, epoch: int) -> int:
         """Peers (this one included) whose steps count towards round `epoch`."""
-        return 1 + sum(1 for p in self._others if p.epoch in (epoch - 1, epoch))
+        return 1 + sum(1 for p in self._others if p.epoch >= epoch - 1)
 
     def collective_steps(self, epoch: int, steps: int, now: float) -> float:
-        """Steps made in round `epoch` by all peers, extrapolated to `now`; infinite if some peer is past it.
-        (A peer still in the previous round counts in `peers_in` but has made none of this round's steps.)"""
-        total = float(steps)
+        """Steps made in round `epoch` by all peers, extrapolated to `now`; infinite if most of the others are
+        past it. (A peer still in the previous round counts in `peers_in` but has made none of this round's
+        steps; one that is past it counts H steps.)"""
+        counted = [p for p in self._others if p.epoch >= epoch - 1]
+        ahead = sum(1 for p in counted if p.epoch > epoch)
+        if 2 * ahead > len(counted):
+            return math.inf  # most peers have ended this round: we are late
+        total = float(steps + ahead * self.inner_steps)
         cap = 2.0 * self.inner_steps  # one peer's extrapolation is never trusted beyond this
-        for other in self._others:
-            if other.epoch > epoch:
-                return math.inf  # that peer has ended this round: we are late
+        for other in counted:
             if other.epoch == epoch:
                 total += min(cap, other.steps + other.steps_per_s * max(0.0, now - other.time))
         return total
+
+    def observe(self, others: list[Progress]) -> None:
+        """Take `others` (fresh records of the other peers) as the swarm's progress; the DHT thread calls this."""
+        self._others = list(others)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -129,4 +138,4 @@ class RoundClock:
                 record = Progress.from_wire(getattr(entry, "value", None))
                 if subkey != self.peer_id and record is not None and record.time > fresh:
                     others.append(record)
-        self._others = others
+        self.observe(others)

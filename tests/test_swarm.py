@@ -23,7 +23,7 @@ from safetensors import safe_open
 from tscale_p2p.cli import build_parser, main
 from tscale_p2p.peers.cli import join_inputs
 from tscale_p2p.peers.join import join
-from tscale_p2p.peers.progress import RoundClock
+from tscale_p2p.peers.progress import Progress, RoundClock
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm import group_consensus
 
@@ -393,3 +393,18 @@ def test_round_clock_ends_every_peers_round_when_the_swarm_made_h_steps_per_peer
             clock.stop()
         second.shutdown()
         first.shutdown()
+
+
+def test_round_clock_a_minority_ahead_counts_its_share_and_a_majority_ahead_ends_the_round():
+    """A peer claiming to be a round ahead (honestly first, or hostile) shortens the others' round by its own
+    H steps only; once most peers have moved on, a late peer ends its round at once."""
+    clock = RoundClock(dht=None, run_id="clock", peer_id="me", inner_steps=10)
+    now = time.time()
+    current, ahead = Progress(epoch=3, steps=6, steps_per_s=0.0, time=now), Progress(4, 0, 0.0, now)
+    clock.observe([ahead, current, current])
+    assert clock.peers_in(3) == 4
+    assert not clock.round_done(3, 17) and clock.round_done(3, 18)  # 18 + 6 + 6 + 10 (the one ahead) = 4 x H
+    clock.observe([ahead, ahead, current])
+    assert clock.round_done(3, 1)  # two of three others are past round 3: we are late
+    clock.observe([Progress(1, 50, 0.0, now), current])  # far behind: not counted at all
+    assert clock.peers_in(3) == 2 and not clock.round_done(3, 13) and clock.round_done(3, 14)
