@@ -6,13 +6,14 @@
 Three ways to spend the same tokens on the same transformer, each peer drawing its own batches:
 
 - swarm, 1-bit async     `--peers` real `tscale-peer join` processes on 127.0.0.1 (hivemind DHT, p2pd,
-                         SwarmAverager's 1-bit all-reduce with error feedback both ways, rounds applied one
-                         round late), each `--steps` local steps, all started together against a stock
+                         SwarmAverager's 1-bit all-reduce with error feedback both ways, each average applied
+                         as soon as it arrives), each `--steps` local steps, all started together against a stock
                          `hivemind-dht` bootstrap node. Scored: the global weights each peer saved on exit.
 - DiLoCo, uncompressed   the same rounds in one process, exact mean of the pseudo-gradients, the same
-                         outer Nesterov SGD (peers/outer.py): applied one round late as the swarm does
-                         (DelayedOuterStep), and synchronously. What the swarm would reach with a perfect
-                         network (every peer in every round) and no compression.
+                         outer Nesterov SGD (peers/outer.py): applied one round late, `--apply-after` steps
+                         into the next round (the swarm applies an average when it arrives), and
+                         synchronously. What the swarm would reach with a perfect network (every peer in
+                         every round) and no compression.
 - one process            a single trainer with a `--peers` times larger batch, every step.
 
 Reported: validation loss (nats/token, the trainer's fixed eval windows) and the gap to the last row, plus
@@ -111,8 +112,9 @@ VARIANTS = {
 }
 
 
-def diloco_in_process(args, one_round_late: bool, outer_lr: float, averaging: str = "exact") -> tuple[float, int]:
-    """In-process DiLoCo rounds; `one_round_late` applies the mean as the swarm does; `averaging`: see TRIPS."""
+def diloco_in_process(args, delay: int, outer_lr: float, averaging: str = "exact") -> tuple[float, int]:
+    """In-process DiLoCo rounds; each round's average is applied `delay` steps into the next round (0:
+    synchronous; H: one round late); `averaging`: see TRIPS."""
     up, down = TRIPS[averaging]
     args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr})
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
@@ -121,16 +123,15 @@ def diloco_in_process(args, one_round_late: bool, outer_lr: float, averaging: st
     residuals = [{n: torch.zeros_like(w) for n, w in outers[0].weights.items()} for _ in range(len(peers) + 1)]
     previous = None
     for start in range(0, args.steps, args.inner_steps):
-        deltas = []
+        steps, deltas = min(args.inner_steps, args.steps - start), []
         for trainer, bookkeeping in zip(peers, rounds):
-            for _ in range(min(args.inner_steps, args.steps - start)):
-                trainer.local_step()
-            now = trainer.snapshot()
-            if one_round_late:
-                weights, delta = bookkeeping.finish_round(now, previous)
-                trainer.apply_outer_update(weights)
-            else:  # synchronous: every peer restarts from the new global weights
-                delta = {n: w - now[n] for n, w in bookkeeping.round_start.items()}
+            for step in range(steps + 1):
+                if previous is not None and step == min(delay, steps):
+                    trainer.apply_outer_update(bookkeeping.apply_average(trainer.snapshot(), previous))
+                if step < steps:
+                    trainer.local_step()
+            weights, delta = bookkeeping.finish_round(trainer.snapshot())
+            trainer.apply_outer_update(weights)
             deltas.append(delta)
         if up != "exact":
             deltas = [{n: onebit(d[n], residual[n] if up == "ef" else None) for n in d}
@@ -138,13 +139,7 @@ def diloco_in_process(args, one_round_late: bool, outer_lr: float, averaging: st
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
         if down != "exact":
             previous = {n: onebit(m, residuals[-1][n] if down == "ef" else None) for n, m in previous.items()}
-        if not one_round_late:
-            for trainer, outer, bookkeeping in zip(peers, outers, rounds):
-                outer.step(previous)
-                bookkeeping.round_start = {n: w.clone() for n, w in outer.weights.items()}
-                trainer.apply_outer_update(outer.weights)
-    if one_round_late:  # the last average arrives after training: apply it
-        outers[0].step(previous)
+    outers[0].step(previous)  # the last average arrives after training: apply it
     return val_loss(args, outers[0].weights), sum(t.tokens_seen for t in peers)
 
 
@@ -226,7 +221,17 @@ def baseline(kind: str, args, outer_lr: float) -> tuple[float, int]:
     if kind == "one process":
         return one_process(args)
     timing, averaging = kind.split(":")
-    return diloco_in_process(args, one_round_late=timing == "one round late", outer_lr=outer_lr, averaging=averaging)
+    return diloco_in_process(args, delay_steps(timing, args.inner_steps), outer_lr=outer_lr, averaging=averaging)
+
+
+def delay_steps(timing: str, inner_steps: int) -> int:
+    """Steps into the next round at which a row applies a round's average: "synchronous", "one round late",
+    "applied after N steps"."""
+    if timing == "synchronous":
+        return 0
+    if timing == "one round late":
+        return inner_steps
+    return int(re.fullmatch(r"applied after (\d+) steps", timing).group(1))
 
 
 def main() -> None:
@@ -252,6 +257,9 @@ def main() -> None:
                         "one-round-late rows (the swarm's arithmetic without the network)")
     parser.add_argument("--onebit-variants", default="", help="comma-separated keys of in-process rows at "
                         f"--outer-lr that tell the codec's trips and the one-round delay apart: {', '.join(VARIANTS)}")
+    parser.add_argument("--apply-after", default="", help="comma-separated step counts: in-process rows (exact "
+                        "and 1-bit, at --outer-lr) that apply each average that many steps into the next round, "
+                        "as the swarm does when an average arrives mid-round")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -268,6 +276,10 @@ def main() -> None:
     ]
     jobs += [(f"DiLoCo, 1-bit both ways as SwarmAverager, one round late, outer lr {float(lr)} (one process)",
               "one round late:swarm", float(lr)) for lr in args.onebit_outer_lrs.split(",") if lr]
+    for steps in filter(None, args.apply_after.split(",")):
+        jobs += [(f"DiLoCo, {name}, applied after {int(steps)} steps, outer lr {args.outer_lr} (one process)",
+                  f"applied after {int(steps)} steps:{averaging}", args.outer_lr)
+                 for name, averaging in (("exact mean", "exact"), ("1-bit both ways as SwarmAverager", "swarm"))]
     for key in filter(None, args.onebit_variants.split(",")):
         name, timing, averaging = VARIANTS[key]
         jobs.append((f"DiLoCo, {name}, {timing}, outer lr {args.outer_lr} (one process)", f"{timing}:{averaging}",

@@ -27,14 +27,17 @@ Usage: the asynchronous swarm loop (host process; `DelayedOuterStep` is in peers
     rounds = DelayedOuterStep(OuterOptimizer(trainer.snapshot()))
     pending, own_previous = None, None
     while training:
-        tokens = sum(trainer.local_step().tokens for _ in range(inner_steps))   # one round of local work
-        averaged_previous = None
-        if pending is not None:                      # the previous round's average, one round late
-            outcome = pending.result()               # never raises for network trouble
-            averaged_previous = (dict(zip(names, outcome.averaged)) if outcome.averaged is not None
-                                 else own_previous)  # nobody to average with: go alone
-        weights, pseudo_gradient = rounds.finish_round(trainer.snapshot(), averaged_previous)
-        trainer.apply_outer_update(weights)
+        tokens = 0
+        for _ in range(inner_steps):                 # one round of local work
+            tokens += trainer.local_step().tokens
+            if pending is not None and pending.done():  # the previous round's average: apply it at once
+                outcome = pending.result()               # never raises for network trouble
+                average = (dict(zip(names, outcome.averaged)) if outcome.averaged is not None
+                           else own_previous)            # nobody to average with: go alone
+                trainer.apply_outer_update(rounds.apply_average(trainer.snapshot(), average))
+                pending = None
+        # (the swarm loop, peers/swarm.py, trains on until `pending` is done instead of ending the round here)
+        _, pseudo_gradient = rounds.finish_round(trainer.snapshot())
         pending = averager.start_round([pseudo_gradient[n] for n in names], tokens=tokens)
         own_previous = pseudo_gradient
     averager.shutdown(); dht.shutdown()

@@ -1,18 +1,22 @@
-"""The outer step of DiLoCo-style rounds, and its one-round-late (asynchronous) form.
+"""The outer step of DiLoCo-style rounds, and its asynchronous form (the average applied during the next round).
 
 Every H inner steps a peer forms its pseudo-gradient (weights at round start minus weights now) and the
 swarm averages it. The outer optimizer turns the average into a step on the *global* weights: Nesterov
 momentum SGD (DiLoCo: lr 0.7, momentum 0.9). Its input is the same on every peer of a round, so every peer
 holds the same global weights without ever sending them.
 
-Asynchronous rounds (`DelayedOuterStep`): averaging round k runs in the background while round k+1 trains,
-so its result arrives one round late. At the end of round k+1 the peer applies the outer step with the
-average of round k and then re-adds the progress it made locally during round k+1:
+Asynchronous rounds (`DelayedOuterStep`): averaging round k runs in the background while round k+1 trains.
+Its average is applied as soon as it arrives, a few steps into round k+1 (`apply_average`): the peer takes
+the outer step with it and re-adds the progress it made locally since round k+1 began:
 
-    weights = global_weights_after_step - pseudo_gradient_of_round_k+1
+    weights = global_weights_after_step - (round_start - weights_now)
 
 so no local work is thrown away, and a peer's weights are always the swarm's global weights plus its own
-latest (not yet averaged) round. Weights are dicts of fp32 CPU tensors, as `Trainer.snapshot()` gives them.
+latest (not yet averaged) progress. Round k+1's pseudo-gradient then counts all of round k+1's steps, before
+and after the average arrived. The sooner it arrives the better: applied at the end of round k+1 (one
+whole round late) it cost +10% validation loss uncompressed and +25% with the 1-bit codec at H=200
+(benchmarks/RESULTS.md); applied at round k+1's first step it is synchronous DiLoCo. Weights are dicts of
+fp32 CPU tensors, as `Trainer.snapshot()` gives them.
 """
 
 from __future__ import annotations
@@ -65,10 +69,12 @@ class OuterOptimizer:
 
 
 class DelayedOuterStep:
-    """Round bookkeeping for asynchronous averaging: the average of round k is applied at the end of k+1.
+    """Round bookkeeping for asynchronous averaging: the average of round k is applied during (at the latest at
+    the end of) round k+1.
 
-    Per round, the swarm loop calls `finish_round(weights_now, averaged_previous)`, loads the returned weights
-    into the trainer, and starts averaging the returned pseudo-gradient in the background. See module docstring.
+    The swarm loop calls `apply_average(weights_now, average)` when round k's average arrives and loads the
+    returned weights into the trainer; at the end of each round it calls `finish_round(weights_now)` and starts
+    averaging the returned pseudo-gradient in the background. See the module docstring.
     """
 
     def __init__(self, outer: OuterOptimizer):
@@ -76,16 +82,31 @@ class DelayedOuterStep:
         self.round_start: Weights = {name: w.clone() for name, w in outer.weights.items()}
 
     @torch.no_grad()
+    def apply_average(self, weights_now: Mapping[str, torch.Tensor], averaged: Mapping[str, torch.Tensor]) -> Weights:
+        """The outer step with the previous round's average (this peer's own pseudo-gradient when it averaged with
+        nobody); returns the weights to continue from: the new global weights plus the progress made since this
+        round began."""
+        progress = self.local_progress(weights_now)
+        self.outer.step(averaged)
+        self.round_start = {name: w.clone() for name, w in self.outer.weights.items()}
+        return {name: self.round_start[name] - progress[name] for name in progress}
+
+    @torch.no_grad()
     def finish_round(
-        self, weights_now: Mapping[str, torch.Tensor], averaged_previous: Optional[Mapping[str, torch.Tensor]]
+        self, weights_now: Mapping[str, torch.Tensor], averaged_previous: Optional[Mapping[str, torch.Tensor]] = None
     ) -> tuple[Weights, Weights]:
         """End a round: returns (weights to continue from, this round's pseudo-gradient to average).
 
-        `averaged_previous` is the swarm's average of the previous round's pseudo-gradient (or this peer's own
-        one when it averaged with nobody); None when there was no previous round.
+        `averaged_previous`, when given, is the previous round's average, applied now (one whole round late).
         """
-        pseudo_gradient = {name: self.round_start[name] - weights_now[name].float().cpu() for name in self.round_start}
-        if averaged_previous is not None:
+        pseudo_gradient = self.local_progress(weights_now)
+        if averaged_previous is None:  # the weights stay as they are (exactly: no subtract-and-add rounding)
+            self.round_start = {name: weights_now[name].float().cpu().clone() for name in pseudo_gradient}
+        else:
             self.outer.step(averaged_previous)
-        self.round_start = {name: self.outer.weights[name] - pseudo_gradient[name] for name in pseudo_gradient}
+            self.round_start = {name: self.outer.weights[name] - pseudo_gradient[name] for name in pseudo_gradient}
         return {name: w.clone() for name, w in self.round_start.items()}, pseudo_gradient
+
+    def local_progress(self, weights_now: Mapping[str, torch.Tensor]) -> Weights:
+        """Round start minus `weights_now`: what this peer's training changed since the round began."""
+        return {name: self.round_start[name] - weights_now[name].float().cpu() for name in self.round_start}

@@ -1,17 +1,18 @@
 """`SwarmPeer`: the join loop. Trains H local steps, averages the pseudo-gradient in the background while
-the next round trains, and applies the outer update one round late with a correction.
+the next round trains, and applies the outer update as soon as the average arrives, keeping the local
+progress made meanwhile.
 
 The loop talks to the trainer only through `local_step()`, `snapshot()` and `apply_outer_update()`, and to
 the network only through `SwarmAverager` (peers/averaging.py) and `SwarmMetrics`. The outer step and the
-one-round-late correction are `OuterOptimizer` and `DelayedOuterStep` (peers/outer.py).
+correction for the local progress are `OuterOptimizer` and `DelayedOuterStep` (peers/outer.py).
 
 Outer state: the global weights (what every peer agrees the model is after the last outer step) and the
 Nesterov momentum of the outer SGD. They are what a joining peer downloads.
 
 The trainer never waits for the network: a round ends when the swarm has made H steps per peer (`RoundClock`,
 peers/progress.py: all peers end it at about the same moment, so they meet in one group) *and* once the
-previous round's average has arrived; while it has not, training simply goes on, so a slow round makes the
-next one longer instead of idling the device. A round that finds nobody, or fails, is applied with this
+previous round's average has arrived and been applied (checked after every step); while it has not, training
+simply goes on, so a slow round makes the next one longer instead of idling the device. A round that finds nobody, or fails, is applied with this
 peer's own pseudo-gradient: a lonely peer simply continues alone.
 
 Staying in sync: every peer tells its group which global weights its update is based on (outer round and a
@@ -253,13 +254,13 @@ class SwarmPeer:
                 self.tokens_contributed += stats.tokens
                 window_tokens += stats.tokens
                 window_steps += 1
+                if self._in_flight is not None and self._in_flight.pending.done():
+                    self._apply_in_flight()  # at once: every step trained on stale global weights costs loss
                 # A round ends when the swarm has made H steps per peer, or later if the previous average is
                 # still on its way: the trainer never waits for the network, a slow round just lasts longer.
                 epoch = self.round + (self._in_flight is not None)
                 self.clock.update(epoch, steps_in_round, steps_in_round / (time.perf_counter() - round_start))
-                if self.clock.round_done(epoch, steps_in_round) and (
-                    self._in_flight is None or self._in_flight.pending.done()
-                ):
+                if self._in_flight is None and self.clock.round_done(epoch, steps_in_round):
                     self._end_round()
                     steps_in_round, round_start = 0, time.perf_counter()
                 cfg = self.trainer.cfg
@@ -276,7 +277,7 @@ class SwarmPeer:
                     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
             loop_end = time.perf_counter()
             if steps_in_round and not (should_stop() or self.status.stop_requested.is_set()):
-                self._settle_in_flight()
+                self._drain()
                 self._end_round()  # the run is over: average its last steps too (they would be lost otherwise)
         finally:
             self.clock.stop()
@@ -297,8 +298,8 @@ class SwarmPeer:
         return self.trainer.step >= self.trainer.cfg.steps
 
     def _end_round(self) -> None:
-        """Apply the previous round's average (one round late), then start averaging this round's update."""
-        pseudo_gradient = self._finish_round()
+        """Start averaging this round's update (the previous round's average is applied by now)."""
+        _, pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot())  # the trainer's weights stay
         tokens, self._tokens_in_round = self._tokens_in_round, 0
         base = (self.round, self._fingerprint)
         try:
@@ -312,29 +313,24 @@ class SwarmPeer:
         self._in_flight = _InFlight(self.round + 1, pending, pseudo_gradient, base)
         self.status.update(averaging_in_flight=True)
 
-    def _finish_round(self) -> dict[str, torch.Tensor]:
+    def _apply_in_flight(self) -> None:
         """Outer step with the average of the round in flight (waiting for it if needed; our own update if we
-        averaged alone), keeping the local progress since; returns the pseudo-gradient of the round now ending."""
+        averaged alone), keeping the local progress made since this round began."""
         flight, self._in_flight = self._in_flight, None
-        outcome = flight.pending.result() if flight is not None else None
-        previous = None
-        if flight is not None:
-            previous = flight.pseudo_gradient if outcome.averaged is None else dict(zip(self.names, outcome.averaged))
+        outcome = flight.pending.result()
+        average = flight.pseudo_gradient if outcome.averaged is None else dict(zip(self.names, outcome.averaged))
         with self._state_lock:
-            weights, pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot(), previous)
-            if previous is not None:
-                self.round += 1
-                self._fingerprint = self.weights_fingerprint()
+            weights = self.rounds.apply_average(self.trainer.snapshot(), average)
+            self.round += 1
+            self._fingerprint = self.weights_fingerprint()
         self.trainer.apply_outer_update(weights)
-        if flight is not None:
-            self._advertise_state()
-            self._report_round(flight, outcome)
-            consensus = group_consensus(outcome.group_metadata) if outcome.averaged is not None else None
-            if consensus is not None and consensus != flight.base:
-                self._resync(flight, consensus, previous, pseudo_gradient)
-        return pseudo_gradient
+        self._advertise_state()
+        self._report_round(flight, outcome)
+        consensus = group_consensus(outcome.group_metadata) if outcome.averaged is not None else None
+        if consensus is not None and consensus != flight.base:
+            self._resync(flight, consensus, average)
 
-    def _resync(self, flight: _InFlight, consensus: Base, average: dict, pseudo_gradient: dict) -> None:
+    def _resync(self, flight: _InFlight, consensus: Base, average: dict) -> None:
         """Our round was formed on other global weights than most of the group's: download the swarm's state,
         bring it to where the group is after this round's average, and keep our local progress on top."""
         log.warning(
@@ -360,13 +356,14 @@ class SwarmPeer:
         if not self._load_state(*state):
             self._advertise_state()
             return
+        progress = self.rounds.local_progress(self.trainer.snapshot())
         with self._state_lock:
             if behind_by_one:
                 self.outer.step(average)
                 self.round += 1
                 self._fingerprint = self.weights_fingerprint()
-            self.rounds.round_start = {n: w - pseudo_gradient[n] for n, w in self.outer.weights.items()}
-        self.trainer.apply_outer_update(self.rounds.round_start)
+            self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
+        self.trainer.apply_outer_update({n: w - progress[n] for n, w in self.rounds.round_start.items()})
         self._advertise_state()
         self.status.update(round=self.round)
         log.info("round %d: back in step with the swarm at round %d, weights %s", flight.number, self.round,
@@ -418,10 +415,10 @@ class SwarmPeer:
         return digest.hexdigest()[:12]
 
     def _drain(self) -> None:
-        """On the way out, wait for the round in flight and apply its average."""
+        """Wait for the round in flight (see `_settle_in_flight`) and apply its average."""
         if self._in_flight is not None:
             self._settle_in_flight()
-            self._finish_round()
+            self._apply_in_flight()
 
     def _settle_in_flight(self) -> None:
         """Leaving: wait for the round in flight, but give it up (this peer's own update is applied) if it is still

@@ -1,4 +1,4 @@
-"""The outer Nesterov step and the one-round-late bookkeeping of asynchronous rounds."""
+"""The outer Nesterov step and the bookkeeping of asynchronous rounds (averages applied during the next round)."""
 
 import pytest
 import torch
@@ -71,3 +71,33 @@ def test_peers_applying_averages_late_share_global_weights_and_converge():
         averaged = {"w": sum(pseudo_gradients) / len(pseudo_gradients)}
     assert torch.equal(peers[0].outer.weights["w"], peers[1].outer.weights["w"])
     torch.testing.assert_close(peers[0].outer.weights["w"], sum(targets) / 2, atol=0.05, rtol=0)
+
+
+def test_an_average_applied_mid_round_keeps_the_local_progress_on_both_sides_of_it():
+    """The average arrives after a few steps of the next round: the outer step is taken at once, the steps made
+    before and after it stay in the weights, and the round's pseudo-gradient counts both."""
+    torch.manual_seed(0)
+    start = {"w": torch.randn(6)}
+    rounds = DelayedOuterStep(OuterOptimizer(start, lr=1.0, momentum=0.0))
+    before, after, average = 0.1 * torch.randn(6), 0.1 * torch.randn(6), {"w": 0.3 * torch.randn(6)}
+    continue_from = rounds.apply_average({"w": start["w"] - before}, average)
+    global_weights = start["w"] - average["w"]  # lr 1, no momentum: the step is the average itself
+    torch.testing.assert_close(rounds.outer.weights["w"], global_weights)
+    torch.testing.assert_close(continue_from["w"], global_weights - before)
+    _, pseudo_gradient = rounds.finish_round({"w": continue_from["w"] - after})
+    torch.testing.assert_close(pseudo_gradient["w"], before + after)
+
+
+def test_applying_at_the_first_step_is_synchronous_and_at_the_last_is_one_round_late():
+    """`apply_average` before any step of the round equals a synchronous outer step; after all of them it equals
+    `finish_round(now, average)`."""
+    torch.manual_seed(1)
+    start, progress, average = {"w": torch.randn(4)}, 0.1 * torch.randn(4), {"w": 0.2 * torch.randn(4)}
+    synchronous = DelayedOuterStep(OuterOptimizer(start))
+    assert torch.equal(synchronous.apply_average(start, average)["w"], synchronous.outer.weights["w"])
+    early, late = DelayedOuterStep(OuterOptimizer(start)), DelayedOuterStep(OuterOptimizer(start))
+    now = {"w": start["w"] - progress}
+    continue_early, pseudo_early = early.finish_round(early.apply_average(now, average))
+    continue_late, pseudo_late = late.finish_round(now, average)
+    torch.testing.assert_close(continue_early["w"], continue_late["w"])
+    torch.testing.assert_close(pseudo_early["w"], pseudo_late["w"])
