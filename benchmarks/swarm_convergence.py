@@ -111,6 +111,13 @@ VARIANTS = {
     "no-ef-sync": ("1-bit both ways, no error feedback", "synchronous", "1-bit both ways, no error feedback"),
 }
 
+# --apply-after-trips: key -> (row label, TRIPS key)
+APPLY_AFTER_TRIPS = {
+    "exact": ("exact mean", "exact"),
+    "swarm": ("1-bit both ways as SwarmAverager", "swarm"),
+    "no-ef": ("1-bit both ways, no error feedback", "1-bit both ways, no error feedback"),
+}
+
 
 def diloco_in_process(args, delay: int, outer_lr: float, averaging: str = "exact") -> tuple[float, int]:
     """In-process DiLoCo rounds; each round's average is applied `delay` steps into the next round (0:
@@ -260,6 +267,8 @@ def main() -> None:
     parser.add_argument("--apply-after", default="", help="comma-separated step counts: in-process rows (exact "
                         "and 1-bit, at --outer-lr) that apply each average that many steps into the next round, "
                         "as the swarm does when an average arrives mid-round")
+    parser.add_argument("--apply-after-trips", default="exact,swarm",
+                        help=f"the --apply-after rows' averaging, comma-separated: {', '.join(APPLY_AFTER_TRIPS)}")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -277,9 +286,10 @@ def main() -> None:
     jobs += [(f"DiLoCo, 1-bit both ways as SwarmAverager, one round late, outer lr {float(lr)} (one process)",
               "one round late:swarm", float(lr)) for lr in args.onebit_outer_lrs.split(",") if lr]
     for steps in filter(None, args.apply_after.split(",")):
-        jobs += [(f"DiLoCo, {name}, applied after {int(steps)} steps, outer lr {args.outer_lr} (one process)",
-                  f"applied after {int(steps)} steps:{averaging}", args.outer_lr)
-                 for name, averaging in (("exact mean", "exact"), ("1-bit both ways as SwarmAverager", "swarm"))]
+        for key in args.apply_after_trips.split(","):
+            name, averaging = APPLY_AFTER_TRIPS[key]
+            jobs.append((f"DiLoCo, {name}, applied after {int(steps)} steps, outer lr {args.outer_lr} (one process)",
+                         f"applied after {int(steps)} steps:{averaging}", args.outer_lr))
     for key in filter(None, args.onebit_variants.split(",")):
         name, timing, averaging = VARIANTS[key]
         jobs.append((f"DiLoCo, {name}, {timing}, outer lr {args.outer_lr} (one process)", f"{timing}:{averaging}",

@@ -17,7 +17,7 @@ from tscale_p2p.cli import main
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig, Transformer
-from tscale_p2p.offload import OffloadedAdamW, host_bytes_per_parameter
+from tscale_p2p.offload import OffloadedAdamW, host_bytes_per_parameter, host_thread_split
 from tscale_p2p.trainer import Trainer, is_matrix
 
 TINY = ["--model", "e32h2d2w32", "--batch-size", "4", "--device", "cpu", "--log-every", "5", "--eval-batches", "2"]
@@ -153,6 +153,22 @@ def test_masters_stay_fp32_while_the_device_holds_bf16():
     qkv = "blocks.0.attn.qkv.weight"
     assert params[qkv].dtype == torch.bfloat16 and not torch.equal(params[qkv].float(), masters[qkv])
     optimizer.close()
+
+
+def test_host_threads_share_the_callers_cores_and_leave_its_setting_alone():
+    """The update and gradient threads split the caller's thread budget (two full OpenMP teams would put
+    twice as many threads as cores to work); the caller's own setting (e.g. `join --threads`) stays."""
+    assert host_thread_split(16) == (12, 4) and host_thread_split(2) == (1, 1) and host_thread_split(1) == (1, 1)
+    model = Transformer(ModelConfig.from_dims("e32h2d2w16"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        optimizer = OffloadedAdamW(model, model.execution_units(), [{"params": list(model.parameters())}],
+                                   torch.device("cpu"), lambda name, param: torch.float32, lr=1e-3, betas=(0.9, 0.95))
+        assert torch.get_num_threads() == 3
+        optimizer.close()
+    finally:
+        torch.set_num_threads(before)
 
 
 EXIT_MID_UPDATE = """

@@ -126,6 +126,18 @@ class _Unit:
     device_event: torch.cuda.Event | None = None  # upload the compute stream has yet to wait for
 
 
+def host_thread_split(threads: int) -> tuple[int, int]:
+    """(update, gradient) OpenMP thread counts for the two host threads, out of `threads` in all.
+
+    Each host thread that enters a torch parallel region gets an OpenMP team of its own, so left at torch's
+    default both would start one thread per core, twice as many threads as cores, while they run at the same
+    time. The update (fused AdamW, compute-heavy) gets three quarters; the gradient thread's casts and adds
+    are memory-bound and saturate memory bandwidth with a few threads.
+    """
+    gradient = max(1, threads // 4)
+    return max(1, threads - gradient), gradient
+
+
 def _stop_threads(queues: Sequence[queue.Queue], threads: Sequence[threading.Thread]) -> None:
     """Let the host threads finish their jobs and end, in pipeline order (the gradient thread still feeds
     the update thread). Also run at interpreter exit, where a thread still working inside an OpenMP team
@@ -241,14 +253,20 @@ class OffloadedAdamW:
         self.timings = {"accumulate": 0.0, "update": 0.0, "stall": 0.0}
         self._grad_jobs: queue.Queue = queue.Queue()
         self._update_jobs: queue.Queue = queue.Queue()
+        caller_threads = torch.get_num_threads()
+        update_threads, gradient_threads = host_thread_split(caller_threads)
+        started = threading.Barrier(3)
         self._threads = [
-            threading.Thread(target=self._run, args=(self._grad_jobs, self._accumulate), daemon=True,
-                             name="offload-gradients"),
-            threading.Thread(target=self._run, args=(self._update_jobs, self._update), daemon=True,
-                             name="offload-update"),
+            threading.Thread(target=self._run, args=(self._grad_jobs, self._accumulate, gradient_threads, started),
+                             daemon=True, name="offload-gradients"),
+            threading.Thread(target=self._run, args=(self._update_jobs, self._update, update_threads, started),
+                             daemon=True, name="offload-update"),
         ]
         for thread in self._threads:
             thread.start()
+        started.wait()
+        # torch.set_num_threads also sets the default of threads that start later: give back the caller's
+        torch.set_num_threads(caller_threads)
         self._stop_threads = weakref.finalize(self, _stop_threads, (self._grad_jobs, self._update_jobs), self._threads)
 
         self._hooks = []
@@ -429,7 +447,9 @@ class OffloadedAdamW:
 
     # --- the host side: two threads -----------------------------------------------------------------
 
-    def _run(self, jobs: queue.Queue, handle: Callable) -> None:
+    def _run(self, jobs: queue.Queue, handle: Callable, threads: int, started: threading.Barrier) -> None:
+        torch.set_num_threads(threads)  # this thread's OpenMP team (see host_thread_split)
+        started.wait()
         while True:
             job = jobs.get()
             try:

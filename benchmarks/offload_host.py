@@ -1,0 +1,109 @@
+"""The host side of `--offload optimizer` alone: does the gradient thread slow the AdamW update down?
+
+    python benchmarks/offload_host.py [--params 200e6] [--repeats 3]
+
+The offload optimizer (tscale_p2p/offload.py) runs two host threads at once during a training step: the
+update thread (torch's fused CPU AdamW over fp32 masters, then a bf16 cast into the upload slot) and the
+gradient thread (bf16 staging buffers added into fp32 accumulators). Each of them enters torch's OpenMP
+parallel regions, and with libgomp every calling thread gets a team of its own: two teams of `cores`
+threads each on `cores` cores. This script times the two jobs on the same buffers the way offload.py
+lays them out (64M-value tensors), alone and concurrently, with both threads left at torch's default thread
+count and with the cores split between them (`offload.host_thread_split`), and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+
+import torch
+
+from tscale_p2p.offload import host_thread_split
+
+CHUNK = 64 * 2**20  # values per tensor
+
+
+def buffers(params: int) -> dict[str, list[torch.Tensor]]:
+    sizes = [CHUNK] * (params // CHUNK) + ([params % CHUNK] if params % CHUNK else [])
+    return {
+        "master": [torch.randn(n) for n in sizes],
+        "grad": [torch.randn(n) * 1e-3 for n in sizes],
+        "staging": [torch.randn(n).bfloat16() for n in sizes],
+        "slot": [torch.empty(n, dtype=torch.bfloat16) for n in sizes],
+    }
+
+
+def update_job(state: dict, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+    for slot, master in zip(state["slot"], state["master"]):
+        slot.copy_(master)
+
+
+def accumulate_job(state: dict, accumulator: list[torch.Tensor]) -> None:
+    for total, staged in zip(accumulator, state["staging"]):
+        total.add_(staged)
+
+
+def timed(job, threads: int | None, repeats: int, results: dict, key: str, start: threading.Barrier | None) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if start is not None:
+        start.wait()
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        job()
+        times.append(time.perf_counter() - begin)
+    results[key] = min(times)
+
+
+def run(state, optimizer, accumulator, split: tuple[int, int] | None, together: bool, repeats: int) -> dict:
+    results: dict[str, float] = {}
+    update_threads, gradient_threads = split if split else (None, None)
+    jobs = [(lambda: update_job(state, optimizer), update_threads, "update"),
+            (lambda: accumulate_job(state, accumulator), gradient_threads, "accumulate")]
+    if together:
+        start = threading.Barrier(2)
+        workers = [threading.Thread(target=timed, args=(job, n, repeats, results, key, start)) for job, n, key in jobs]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    else:
+        for job, n, key in jobs:
+            worker = threading.Thread(target=timed, args=(job, n, repeats, results, key, None))
+            worker.start()
+            worker.join()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=200e6)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    params, cores = int(args.params), os.cpu_count()
+    state = buffers(params)
+    for master, grad in zip(state["master"], state["grad"]):
+        master.grad = grad
+    optimizer = torch.optim.AdamW(state["master"], lr=1e-4, fused=True)
+    accumulator = [torch.zeros(n.numel()) for n in state["staging"]]
+    update_job(state, optimizer)  # allocate the moments
+    split = host_thread_split(cores)
+    print(f"{params / 1e6:.0f}M parameters, {cores} cores, torch {torch.__version__}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, split update/gradient = {split}")
+    print(f"| threads | jobs | update s | accumulate s | update vs alone, default |")
+    print("| --- | --- | --- | --- | --- |")
+    reference = None
+    for label, chosen in (("default", None), (f"split {split[0]}/{split[1]}", split)):
+        for together in (False, True):
+            result = run(state, optimizer, accumulator, chosen, together, args.repeats)
+            reference = reference or result["update"]
+            print(f"| {label} | {'together' if together else 'alone'} | {result['update']:.3f} | "
+                  f"{result['accumulate']:.3f} | {result['update'] / reference:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
