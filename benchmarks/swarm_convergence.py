@@ -25,6 +25,7 @@ at other outer learning rates. With `--out`, peer logs and the table are kept th
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -264,11 +265,13 @@ def main() -> None:
                         "one-round-late rows (the swarm's arithmetic without the network)")
     parser.add_argument("--onebit-variants", default="", help="comma-separated keys of in-process rows at "
                         f"--outer-lr that tell the codec's trips and the one-round delay apart: {', '.join(VARIANTS)}")
-    parser.add_argument("--apply-after", default="", help="comma-separated step counts: in-process rows (exact "
-                        "and 1-bit, at --outer-lr) that apply each average that many steps into the next round, "
+    parser.add_argument("--apply-after", default="", help="comma-separated step counts: in-process rows "
+                        "(see --apply-after-trips and --apply-after-lrs) that apply each average that many steps into the next round, "
                         "as the swarm does when an average arrives mid-round")
     parser.add_argument("--apply-after-trips", default="exact,swarm",
                         help=f"the --apply-after rows' averaging, comma-separated: {', '.join(APPLY_AFTER_TRIPS)}")
+    parser.add_argument("--apply-after-lrs", default="", help="comma-separated outer lrs of the --apply-after rows "
+                        "(default: --outer-lr)")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -285,11 +288,12 @@ def main() -> None:
     ]
     jobs += [(f"DiLoCo, 1-bit both ways as SwarmAverager, one round late, outer lr {float(lr)} (one process)",
               "one round late:swarm", float(lr)) for lr in args.onebit_outer_lrs.split(",") if lr]
+    apply_after_lrs = [float(x) for x in args.apply_after_lrs.split(",") if x] or [args.outer_lr]
     for steps in filter(None, args.apply_after.split(",")):
-        for key in args.apply_after_trips.split(","):
+        for key, lr in itertools.product(args.apply_after_trips.split(","), apply_after_lrs):
             name, averaging = APPLY_AFTER_TRIPS[key]
-            jobs.append((f"DiLoCo, {name}, applied after {int(steps)} steps, outer lr {args.outer_lr} (one process)",
-                         f"applied after {int(steps)} steps:{averaging}", args.outer_lr))
+            jobs.append((f"DiLoCo, {name}, applied after {int(steps)} steps, outer lr {lr} (one process)",
+                         f"applied after {int(steps)} steps:{averaging}", lr))
     for key in filter(None, args.onebit_variants.split(",")):
         name, timing, averaging = VARIANTS[key]
         jobs.append((f"DiLoCo, {name}, {timing}, outer lr {args.outer_lr} (one process)", f"{timing}:{averaging}",
