@@ -5,7 +5,8 @@ Three measurements, each in its own process (a clean GPU, its own memory cap):
 1. without offload, capped at --budget GiB: which of --plain-sizes still train (AdamW on the GPU costs
    16 bytes/parameter before activations; activation checkpointing on, to give it its best chance);
 2. with `--offload optimizer` (bf16 weights on the GPU, fp32 masters + AdamW on the CPU, one-step delayed
-   update, activation checkpointing), capped at --budget GiB: tokens/s of each of --offload-sizes;
+   update, activation checkpointing of all blocks or of --checkpoint-blocks of them), capped at --budget GiB:
+   tokens/s of each of --offload-sizes;
 3. the same models with no cap and no offload (no checkpointing): the uncapped tokens/s the offloaded
    runs are compared with. Both take the same tokens per optimizer step.
 
@@ -58,6 +59,7 @@ def child(spec: dict) -> dict:
         data=spec["data"], device=spec["device"], model=model_cfg.dims, batch_size=spec["batch"],
         grad_accum=spec["grad_accum"], compile=spec["compile"], offload=spec["offload"],
         offload_delay=spec["delay"], activation_checkpointing=spec["checkpointing"],
+        checkpoint_blocks=spec.get("checkpoint_blocks") if spec["checkpointing"] else None,
         gpu_memory_limit=spec["limit"], warmup=10, steps=1000,
     )
     result = {"params": model_cfg.parameter_count()}
@@ -164,6 +166,8 @@ def main() -> None:
     parser.add_argument("--offload-probe-sizes", default="",
                         help="larger sizes only checked to train with offload inside the budget (eager, no baseline), e.g. 4B")
     parser.add_argument("--delays", default="1", help="offload delays to measure, e.g. 0,1")
+    parser.add_argument("--checkpoint-blocks", default="all",
+                        help="offloaded rows: blocks to recompute in backward, e.g. all,20,14 (fewer: faster, more memory)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
     parser.add_argument("--tokens-per-step", type=int, default=65536)
     # 3B at context 2048 under offload: bf16 weights 6.1 GB + bf16 gradients summed on the GPU 6.1 GB +
@@ -204,11 +208,11 @@ def main() -> None:
     data.write_bytes(bytes(97 + b % 26 for b in os.urandom(4 * 2**20)))
     os.environ.setdefault("TSCALE_CACHE_DIR", str(Path(data_dir) / "cache"))
 
-    def spec(size, offload, delay, checkpointing, limit, micro_batch, compile_):
+    def spec(size, offload, delay, checkpointing, limit, micro_batch, compile_, checkpoint_blocks=None):
         micro = min(micro_batch, sequences)
         return dict(size=size, device=device, data=str(data), offload=offload, delay=delay,
-                    checkpointing=checkpointing, limit=limit, batch=micro, grad_accum=max(1, sequences // micro),
-                    compile=compile_ and not dry, warmup_steps=2, steps=args.steps)
+                    checkpointing=checkpointing, checkpoint_blocks=checkpoint_blocks, limit=limit, batch=micro,
+                    grad_accum=max(1, sequences // micro), compile=compile_ and not dry, warmup_steps=2, steps=args.steps)
 
     started = time.perf_counter()
     numel = 2**22 if dry else 2**26
@@ -230,9 +234,13 @@ def main() -> None:
         rows.append((size, "plain, uncapped", base, None))
         print(f"  {size} plain uncapped: {base.get('tokens_per_s', 0):.0f} tok/s {base.get('why', '')}", flush=True)
         for delay in (int(d) for d in args.delays.split(",")):
-            r = measure(spec(size, "optimizer", delay, True, budget, args.micro_batch, not args.no_compile), timeout)
-            rows.append((size, f"offload d{delay}, ckpt, cap {budget or '-'}", r, base))
-            print(f"  {size} offload delay {delay}: {r.get('tokens_per_s', 0):.0f} tok/s {r.get('why', '')}", flush=True)
+            for blocks in args.checkpoint_blocks.split(","):
+                count = None if blocks == "all" else int(blocks)
+                r = measure(spec(size, "optimizer", delay, True, budget, args.micro_batch, not args.no_compile, count),
+                            timeout)
+                rows.append((size, f"offload d{delay}, ckpt {blocks}, cap {budget or '-'}", r, base))
+                print(f"  {size} offload delay {delay}, checkpointing {blocks} blocks: "
+                      f"{r.get('tokens_per_s', 0):.0f} tok/s {r.get('why', '')}", flush=True)
 
     print(f"\nGPU budget {budget} GiB, {sequences * context} tokens per step, context {context}, "
           f"{'eager' if args.no_compile or dry else 'torch.compile'}, {time.perf_counter() - started:.0f}s in all")

@@ -51,10 +51,12 @@ def test_offloaded_run_matches_an_ordinary_run(corpus, tmp_path, grad_accum, acc
         assert all(torch.equal(state[k].cpu(), b.optimizer_state["state"][index][k]) for k in state)
 
 
-def test_activation_checkpointing_changes_nothing_but_memory(corpus, tmp_path):
+@pytest.mark.parametrize("blocks", [[], ["--checkpoint-blocks", "1"]])
+def test_activation_checkpointing_changes_nothing_but_memory(corpus, tmp_path, blocks):
+    """Every block recomputed, or only the first one: the same weights as keeping all activations."""
     plain, recomputed = tmp_path / "plain", tmp_path / "recomputed"
     assert train(plain, corpus, "--grad-accum", "2", steps=3) == 0
-    assert train(recomputed, corpus, "--grad-accum", "2", "--activation-checkpointing", *OFFLOAD, steps=3) == 0
+    assert train(recomputed, corpus, "--grad-accum", "2", "--activation-checkpointing", *blocks, *OFFLOAD, steps=3) == 0
     assert same(weights(plain), weights(recomputed))
 
 
@@ -212,7 +214,9 @@ def test_host_bytes_per_parameter():
 @pytest.mark.parametrize("value, fragment", [(["--offload", "params2"], "offload"), (["--offload-delay", "2"], "offload-delay"),
                                              (["--offload-accumulate", "gpu"], "offload-accumulate"),
                                              (["--offload-delay", "1", "--offload", "none"], "--offload optimizer"),
-                                             (["--gpu-memory-limit", "0"], "gpu-memory-limit")])
+                                             (["--gpu-memory-limit", "0"], "gpu-memory-limit"),
+                                             (["--checkpoint-blocks", "2"], "--activation-checkpointing"),
+                                             (["--activation-checkpointing", "--checkpoint-blocks", "-1"], "-1")])
 def test_bad_offload_flags(corpus, tmp_path, capsys, value, fragment):
     with pytest.raises(SystemExit) as exit_info:  # argparse refuses bad choices itself, also with exit code 2
         raise SystemExit(main(["train", "--data", str(corpus), "--out", str(tmp_path / "o"), *TINY, *value]))

@@ -46,6 +46,7 @@ class TrainConfig:
     offload_delay: int = field(default=0, metadata={"help": "with --offload: apply each update this many steps late (0 or 1; 1 as in TScale hides the CPU optimizer behind a whole step)"})
     offload_accumulate: str = field(default="device", metadata={"choices": ACCUMULATE_ON, "help": "with --offload and --grad-accum: sum micro-batch gradients on the device (bf16, +2 bytes/param of GPU memory, one transfer per step) or on the host (fp32, a transfer and host pass per micro-batch)"})
     activation_checkpointing: bool = field(default=False, metadata={"help": "recompute each block in backward instead of keeping its activations"})
+    checkpoint_blocks: int | None = field(default=None, metadata={"help": "with --activation-checkpointing: recompute only the first N blocks (default: all); each block left out keeps its activations, trading memory for speed"})
     gpu_memory_limit: float | None = field(default=None, metadata={"help": "cap this process's GPU memory at this many GiB, like a smaller card"})
     steps: int = field(default=2000, metadata={"help": "optimizer steps to train for"})
     batch_size: int = field(default=16, metadata={"help": "sequences per micro-batch"})
@@ -82,6 +83,11 @@ class TrainConfig:
             raise UserError(f"offload-delay must be 0 or 1, got {self.offload_delay}")
         if self.offload_delay and self.offload == "none":
             raise UserError("offload-delay applies to offloaded updates; add --offload optimizer")
+        if self.checkpoint_blocks is not None:
+            if self.checkpoint_blocks < 0:
+                raise UserError(f"checkpoint-blocks must not be negative, got {self.checkpoint_blocks}")
+            if not self.activation_checkpointing:
+                raise UserError("checkpoint-blocks applies to activation checkpointing; add --activation-checkpointing")
         if self.gpu_memory_limit is not None and not self.gpu_memory_limit > 0:
             raise UserError(f"gpu-memory-limit must be a positive number of GiB, got {self.gpu_memory_limit}")
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep"):

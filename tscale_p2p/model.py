@@ -290,14 +290,14 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only language model: `model(idx) -> logits` for token ids of shape [B, T].
 
-    With `activation_checkpointing` set, training keeps only each block's input and recomputes the block
-    in backward (about a third more compute for a fraction of the activation memory).
+    The first `checkpointed_blocks` blocks keep only their input in training and recompute themselves in
+    backward (about a third more compute per block for a fraction of its activation memory).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.activation_checkpointing = False
+        self.checkpointed_blocks = 0
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.width)
         self.rotary = Rotary(cfg.head_dim, cfg.context, cfg.rope_base)
         self.blocks = nn.ModuleList(Block(cfg, window) for window in cfg.layer_windows())
@@ -322,8 +322,8 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds the model context {self.cfg.context}")
         x = self.dropout(self.tok_emb(idx))
         masks = block_masks_for(self.cfg.layer_windows(), idx.shape[1], idx.device)
-        for block in self.blocks:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+        for index, block in enumerate(self.blocks):
+            if index < self.checkpointed_blocks and torch.is_grad_enabled():
                 x = checkpoint(block, x, self.rotary, masks, use_reentrant=False)
             else:
                 x = block(x, self.rotary, masks)

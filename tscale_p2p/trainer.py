@@ -110,7 +110,9 @@ class Trainer:
             self._check_host_memory()
         torch.manual_seed(cfg.seed)
         self.model = Transformer(model_cfg)
-        self.model.activation_checkpointing = cfg.activation_checkpointing
+        if cfg.activation_checkpointing:
+            depth = len(self.model.blocks)
+            self.model.checkpointed_blocks = depth if cfg.checkpoint_blocks is None else min(cfg.checkpoint_blocks, depth)
         if not self.offloaded:  # offload adopts the fp32 host weights as masters and places working copies
             self.model.to(device)
         if self.precision in ("fp8", "int8"):
