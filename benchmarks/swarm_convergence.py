@@ -1,13 +1,13 @@
 """Convergence of the real swarm at a fixed token budget (minutes on a CPU or one GPU).
 
     python benchmarks/swarm_convergence.py --data PATH/tinyshakespeare.txt [--peers 4] [--steps 300]
-        [--device cuda] [--tune-outer-lrs 0.35,0.5,0.7] [--out DIR]
+        [--device cuda] [--tune-outer-lrs 0.35,0.5] [--apply-after 10,40] [--out DIR]
 
 Three ways to spend the same tokens on the same transformer, each peer drawing its own batches:
 
 - swarm, 1-bit async     `--peers` real `tscale-peer join` processes on 127.0.0.1 (hivemind DHT, p2pd,
-                         SwarmAverager's 1-bit all-reduce with error feedback both ways, each average applied
-                         as soon as it arrives), each `--steps` local steps, all started together against a stock
+                         SwarmAverager's 1-bit all-reduce both ways, sender error feedback only with
+                         `--error-feedback` as in join, each average applied as soon as it arrives), each `--steps` local steps, all started together against a stock
                          `hivemind-dht` bootstrap node. Scored: the global weights each peer saved on exit.
 - DiLoCo, uncompressed   the same rounds in one process, exact mean of the pseudo-gradients, the same
                          outer Nesterov SGD (peers/outer.py): applied one round late, `--apply-after` steps
@@ -168,7 +168,7 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], b
         "--model", args.model, "--steps", str(args.steps), "--lr", str(args.lr), "--warmup", str(args.warmup),
         "--inner-steps", str(args.inner_steps), "--outer-lr", str(args.outer_lr),
         "--outer-momentum", str(args.outer_momentum), "--eval-batches", str(args.eval_batches),
-        "--min-peers", str(args.peers),
+        "--min-peers", str(args.peers), *(["--error-feedback"] if args.error_feedback else []),
     ]
     logs = [work / f"peer{i}.log" for i in range(args.peers)]
     processes = [bootstrap]
@@ -253,13 +253,14 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=25)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--outer-lr", type=float, default=0.35)
+    parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--tune-outer-lrs", default="", help="comma-separated outer lrs of extra one-round-late rows")
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--eval-batches", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--skip-swarm", action="store_true")
+    parser.add_argument("--error-feedback", action="store_true", help="the swarm's peers keep a sender residual")
     parser.add_argument("--skip-diloco", action="store_true", help="no exact-mean DiLoCo rows")
     parser.add_argument("--onebit-outer-lrs", default="", help="comma-separated outer lrs of in-process 1-bit "
                         "one-round-late rows (the swarm's arithmetic without the network)")
@@ -342,7 +343,8 @@ def swarm_rows(args, out: Path | None) -> list[tuple[str, float, int, str]]:
     full = sum(len(re.findall(rf"averaged with {args.peers - 1} peer", log)) for log in logs) / args.peers
     rounds = sum(len(re.findall(r"round \d+: averaged", log)) for log in logs) / args.peers
     resyncs = sum(len(re.findall(r"back in step with the swarm", log)) for log in logs)
-    name = f"swarm, 1-bit async, outer lr {args.outer_lr} ({args.peers} processes)"
+    feedback = "with" if args.error_feedback else "no"
+    name = f"swarm, 1-bit async, {feedback} error feedback, outer lr {args.outer_lr} ({args.peers} processes)"
     notes = (f"{full:.1f} of {rounds:.1f} rounds/peer with all {args.peers}, {args.steps / max(rounds, 1):.0f} "
              f"steps/round, {resyncs} state re-downloads, global weights {'identical' if identical else 'differ'}")
     return [

@@ -45,7 +45,7 @@ def add_join_parser(commands) -> None:
                        help="behind NAT/firewall: only dial out (reached through relays); serves no state")
     swarm.add_argument("--inner-steps", type=int, metavar="H",
                        help="local steps between averaging rounds (a new run's setting; default 100)")
-    swarm.add_argument("--outer-lr", type=float, metavar="LR", help="outer Nesterov SGD learning rate (new run; 0.35)")
+    swarm.add_argument("--outer-lr", type=float, metavar="LR", help="outer Nesterov SGD learning rate (new run; 0.7)")
     swarm.add_argument("--outer-momentum", type=float, metavar="M", help="outer Nesterov momentum (new run; 0.9)")
     swarm.add_argument("--max-steps", type=int, metavar="N", help="stop after N local steps (for scripts)")
     swarm.add_argument("--min-peers", type=int, default=1, metavar="N",
@@ -54,6 +54,9 @@ def add_join_parser(commands) -> None:
                        help="seconds a round waits to gather peers (default: 5)")
     swarm.add_argument("--averaging-timeout", type=float, default=30.0, metavar="S",
                        help="a round that finds no group in S seconds is applied alone (default: 30)")
+    swarm.add_argument("--error-feedback", action="store_true",
+                       help="keep what each 1-bit message could not carry and add it to the next round's (off by "
+                       "default: at 100-200 inner steps it converged worse)")
     swarm.add_argument("--threads", type=int, metavar="N",
                        help="CPU threads for this peer's tensor math (CPU training, offloaded optimizer, packing "
                        "updates). Default: $OMP_NUM_THREADS if set, else this machine's cores divided by the "
@@ -134,6 +137,7 @@ def join_inputs(args: argparse.Namespace):
         threads=args.threads,
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
+        error_feedback=args.error_feedback,
     )
     return cfg, explicit, options
 

@@ -53,8 +53,8 @@ from tscale_p2p.trainer import resolve_device
 log = logging.getLogger(__name__)
 
 DEFAULT_INNER_STEPS = 100
-# DiLoCo uses 0.7 synchronously; one round late, 0.35 converged best (benchmarks/RESULTS.md, return-trip table).
-DEFAULT_OUTER_LR = 0.35
+# DiLoCo's 0.7: with averages applied as they arrive it beat 0.35 at H=100 and H=200 (benchmarks/RESULTS.md).
+DEFAULT_OUTER_LR = 0.7
 DEFAULT_OUTER_MOMENTUM = 0.9
 STATE_DOWNLOAD_ATTEMPTS = 3
 INTERRUPTED = "tscale-peer: interrupted; the last checkpoint written stays valid"
@@ -75,6 +75,8 @@ class JoinOptions:
     threads: int | None = None  # CPU threads for torch; None: `default_threads()`
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
+    # keep what a 1-bit message could not carry and send it next round; off: at H=100-200 it cost 2.5-4% val loss
+    error_feedback: bool = False
     publish_every_s: float = 5.0
 
 
@@ -160,6 +162,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             prefix=averaging_prefix(options.run_id),
             matchmaking_time=options.matchmaking_time,
             round_timeout=options.averaging_timeout,
+            sender_error_feedback=options.error_feedback,
             state_source=state_source,
             client_mode=client_mode,
             allow_state_sharing=False,  # switched on once this peer holds the swarm's state
