@@ -113,6 +113,10 @@ class RoundClock:
                 total += min(cap, other.steps + other.steps_per_s * max(0.0, now - other.time))
         return total
 
+    def others_idle(self, epoch: int) -> bool:
+        """Whether no other peer is still training towards round `epoch` (all have stopped, or there are none)."""
+        return all(p.steps_per_s == 0 for p in self._others if p.epoch in (epoch - 1, epoch))
+
     def observe(self, others: list[Progress]) -> None:
         """Take `others` (fresh records of the other peers) as the swarm's progress; the DHT thread calls this."""
         self._others = list(others)

@@ -278,6 +278,7 @@ class SwarmPeer:
             loop_end = time.perf_counter()
             if steps_in_round and not (should_stop() or self.status.stop_requested.is_set()):
                 self._drain()
+                self._wait_for_the_swarms_round_end(steps_in_round)
                 self._end_round()  # the run is over: average its last steps too (they would be lost otherwise)
         finally:
             self.clock.stop()
@@ -289,6 +290,21 @@ class SwarmPeer:
 
     def shutdown(self) -> None:
         self.averager.shutdown()
+
+    def _wait_for_the_swarms_round_end(self, steps_in_round: int) -> None:
+        """The run is over in the middle of a round: wait, without training, until the swarm ends the round (or
+        everyone else has stopped too), so that the last steps are averaged in the others' group instead of
+        alone. At most the averaging timeout; not at all when nobody else is training."""
+        epoch = self.round
+        self.clock.update(epoch, steps_in_round, 0.0)  # others must not count on steps we no longer make
+        deadline = time.monotonic() + self.averager.round_timeout
+        if not self.clock.others_idle(epoch):
+            log.info("run over after %d steps of round %d: waiting up to %.0f s for the swarm's round end to average "
+                     "them", steps_in_round, epoch + 1, self.averager.round_timeout)
+        while not (self.clock.round_done(epoch, steps_in_round) or self.clock.others_idle(epoch)):
+            if time.monotonic() > deadline or self.status.stop_requested.is_set():
+                return
+            time.sleep(0.2)
 
     def _should_stop(self, session_steps: int) -> bool:
         if self.status.stop_requested.is_set():

@@ -397,7 +397,8 @@ def test_round_clock_ends_every_peers_round_when_the_swarm_made_h_steps_per_peer
 
 def test_round_clock_a_minority_ahead_counts_its_share_and_a_majority_ahead_ends_the_round():
     """A peer claiming to be a round ahead (honestly first, or hostile) shortens the others' round by its own
-    H steps only; once most peers have moved on, a late peer ends its round at once."""
+    H steps only; once most peers have moved on, a late peer ends its round at once. A peer whose run is over
+    learns whether anyone else is still training towards the round."""
     clock = RoundClock(dht=None, run_id="clock", peer_id="me", inner_steps=10)
     now = time.time()
     current, ahead = Progress(epoch=3, steps=6, steps_per_s=0.0, time=now), Progress(4, 0, 0.0, now)
@@ -408,3 +409,9 @@ def test_round_clock_a_minority_ahead_counts_its_share_and_a_majority_ahead_ends
     assert clock.round_done(3, 1)  # two of three others are past round 3: we are late
     clock.observe([Progress(1, 50, 0.0, now), current])  # far behind: not counted at all
     assert clock.peers_in(3) == 2 and not clock.round_done(3, 13) and clock.round_done(3, 14)
+    clock.observe([Progress(3, 60, 0.0, now), Progress(2, 0, 0.0, now), Progress(1, 9, 5.0, now)])
+    assert clock.others_idle(3)  # everyone counted has stopped (the peer two rounds back is not counted)
+    clock.observe([Progress(3, 60, 0.0, now), Progress(2, 0, 4.0, now)])
+    assert not clock.others_idle(3)  # one is still training towards this round
+    clock.observe([])
+    assert clock.others_idle(3)  # alone: nobody to wait for
