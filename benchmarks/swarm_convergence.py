@@ -138,9 +138,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str = "exact
                     trainer.apply_outer_update(bookkeeping.apply_average(trainer.snapshot(), previous))
                 if step < steps:
                     trainer.local_step()
-            weights, delta = bookkeeping.finish_round(trainer.snapshot())
-            trainer.apply_outer_update(weights)
-            deltas.append(delta)
+            deltas.append(bookkeeping.finish_round(trainer.snapshot()))
         if up != "exact":
             deltas = [{n: onebit(d[n], residual[n] if up == "ef" else None) for n in d}
                       for d, residual in zip(deltas, residuals)]

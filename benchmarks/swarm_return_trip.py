@@ -104,9 +104,9 @@ def run_diloco(data, val, rounds: int, seed: int, up: str, down: str, delayed: b
                 optimizer.step()
         snapshots = [{n: p.detach().clone() for n, p in peer.named_parameters()} for peer in peers]
         if delayed:
-            results = [step.finish_round(s, previous) for step, s in zip(late, snapshots)]
-            previous = averaging([delta for _, delta in results])
-            new_weights = [w for w, _ in results]
+            # one round late: the previous average is applied at the very end of the round
+            new_weights = [step.apply_average(s, previous) if previous else s for step, s in zip(late, snapshots)]
+            previous = averaging([step.finish_round(w) for step, w in zip(late, new_weights)])
         else:
             deltas = [{n: outer.weights[n] - s[n] for n in s} for s in snapshots]
             new_weights = [outer.step(averaging(deltas))] * PEERS

@@ -37,7 +37,7 @@ Usage: the asynchronous swarm loop (host process; `DelayedOuterStep` is in peers
                 trainer.apply_outer_update(rounds.apply_average(trainer.snapshot(), average))
                 pending = None
         # (the swarm loop, peers/swarm.py, trains on until `pending` is done instead of ending the round here)
-        _, pseudo_gradient = rounds.finish_round(trainer.snapshot())
+        pseudo_gradient = rounds.finish_round(trainer.snapshot())
         pending = averager.start_round([pseudo_gradient[n] for n in names], tokens=tokens)
         own_previous = pseudo_gradient
     averager.shutdown(); dht.shutdown()

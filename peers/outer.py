@@ -22,7 +22,7 @@ fp32 CPU tensors, as `Trainer.snapshot()` gives them.
 from __future__ import annotations
 
 import copy
-from typing import Mapping, Optional
+from typing import Mapping
 
 import torch
 
@@ -74,7 +74,7 @@ class DelayedOuterStep:
 
     The swarm loop calls `apply_average(weights_now, average)` when round k's average arrives and loads the
     returned weights into the trainer; at the end of each round it calls `finish_round(weights_now)` and starts
-    averaging the returned pseudo-gradient in the background. See the module docstring.
+    averaging the pseudo-gradient it returns in the background. See the module docstring.
     """
 
     def __init__(self, outer: OuterOptimizer):
@@ -92,20 +92,12 @@ class DelayedOuterStep:
         return {name: self.round_start[name] - progress[name] for name in progress}
 
     @torch.no_grad()
-    def finish_round(
-        self, weights_now: Mapping[str, torch.Tensor], averaged_previous: Optional[Mapping[str, torch.Tensor]] = None
-    ) -> tuple[Weights, Weights]:
-        """End a round: returns (weights to continue from, this round's pseudo-gradient to average).
-
-        `averaged_previous`, when given, is the previous round's average, applied now (one whole round late).
-        """
+    def finish_round(self, weights_now: Mapping[str, torch.Tensor]) -> Weights:
+        """End a round: returns its pseudo-gradient to average. The trainer keeps its weights; the next round
+        starts from them."""
         pseudo_gradient = self.local_progress(weights_now)
-        if averaged_previous is None:  # the weights stay as they are (exactly: no subtract-and-add rounding)
-            self.round_start = {name: weights_now[name].float().cpu().clone() for name in pseudo_gradient}
-        else:
-            self.outer.step(averaged_previous)
-            self.round_start = {name: self.outer.weights[name] - pseudo_gradient[name] for name in pseudo_gradient}
-        return {name: w.clone() for name, w in self.round_start.items()}, pseudo_gradient
+        self.round_start = {name: weights_now[name].float().cpu().clone() for name in pseudo_gradient}
+        return pseudo_gradient
 
     def local_progress(self, weights_now: Mapping[str, torch.Tensor]) -> Weights:
         """Round start minus `weights_now`: what this peer's training changed since the round began."""

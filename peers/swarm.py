@@ -315,7 +315,7 @@ class SwarmPeer:
 
     def _end_round(self) -> None:
         """Start averaging this round's update (the previous round's average is applied by now)."""
-        _, pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot())  # the trainer's weights stay
+        pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot())
         tokens, self._tokens_in_round = self._tokens_in_round, 0
         base = (self.round, self._fingerprint)
         try:

@@ -48,7 +48,8 @@ def test_one_peer_with_plain_outer_step_keeps_its_trajectory_exactly():
     trajectory, previous = weights["w"].clone(), None
     for _ in range(5):
         trajectory = trajectory - 0.1 * torch.randn(10)  # a round of local training
-        continue_from, pseudo_gradient = rounds.finish_round({"w": trajectory}, previous)
+        continue_from = {"w": trajectory} if previous is None else rounds.apply_average({"w": trajectory}, previous)
+        pseudo_gradient = rounds.finish_round(continue_from)
         torch.testing.assert_close(continue_from["w"], trajectory)
         previous = pseudo_gradient
 
@@ -65,8 +66,9 @@ def test_peers_applying_averages_late_share_global_weights_and_converge():
         for i, (peer, target) in enumerate(zip(peers, targets)):
             for _ in range(5):  # inner SGD steps on 0.5 * |w - target|^2
                 weights[i] = weights[i] - 0.1 * (weights[i] - target)
-            continue_from, pseudo_gradient = peer.finish_round({"w": weights[i]}, averaged)
-            weights[i] = continue_from["w"]
+            if averaged is not None:
+                weights[i] = peer.apply_average({"w": weights[i]}, averaged)["w"]
+            pseudo_gradient = peer.finish_round({"w": weights[i]})
             pseudo_gradients.append(pseudo_gradient["w"])
         averaged = {"w": sum(pseudo_gradients) / len(pseudo_gradients)}
     assert torch.equal(peers[0].outer.weights["w"], peers[1].outer.weights["w"])
@@ -84,20 +86,13 @@ def test_an_average_applied_mid_round_keeps_the_local_progress_on_both_sides_of_
     global_weights = start["w"] - average["w"]  # lr 1, no momentum: the step is the average itself
     torch.testing.assert_close(rounds.outer.weights["w"], global_weights)
     torch.testing.assert_close(continue_from["w"], global_weights - before)
-    _, pseudo_gradient = rounds.finish_round({"w": continue_from["w"] - after})
+    pseudo_gradient = rounds.finish_round({"w": continue_from["w"] - after})
     torch.testing.assert_close(pseudo_gradient["w"], before + after)
 
 
-def test_applying_at_the_first_step_is_synchronous_and_at_the_last_is_one_round_late():
-    """`apply_average` before any step of the round equals a synchronous outer step; after all of them it equals
-    `finish_round(now, average)`."""
+def test_applying_before_the_first_step_of_a_round_is_a_synchronous_outer_step():
+    """`apply_average` before any step of the round leaves the peer exactly on the new global weights."""
     torch.manual_seed(1)
-    start, progress, average = {"w": torch.randn(4)}, 0.1 * torch.randn(4), {"w": 0.2 * torch.randn(4)}
+    start, average = {"w": torch.randn(4)}, {"w": 0.2 * torch.randn(4)}
     synchronous = DelayedOuterStep(OuterOptimizer(start))
     assert torch.equal(synchronous.apply_average(start, average)["w"], synchronous.outer.weights["w"])
-    early, late = DelayedOuterStep(OuterOptimizer(start)), DelayedOuterStep(OuterOptimizer(start))
-    now = {"w": start["w"] - progress}
-    continue_early, pseudo_early = early.finish_round(early.apply_average(now, average))
-    continue_late, pseudo_late = late.finish_round(now, average)
-    torch.testing.assert_close(continue_early["w"], continue_late["w"])
-    torch.testing.assert_close(pseudo_early["w"], pseudo_late["w"])
