@@ -73,6 +73,14 @@ def start_join(tmp_path, matchmaking_time: str, averaging_timeout: str) -> Comma
 
 
 @pytest.mark.timeout(150)
+def assert_left_in_one_line(err: str, code: int, alive: list, last_line: str) -> None:
+    """Exit 130 (interrupted), no traceback, `last_line` as the last thing said, no process left behind."""
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == last_line
+    assert not alive, alive
+
+
 def test_ctrl_c_during_join_saves_and_exits_0_without_a_traceback(tmp_path):
     join = start_join(tmp_path, matchmaking_time="1", averaging_timeout="2")
     try:
@@ -98,11 +106,7 @@ def test_a_second_ctrl_c_during_join_leaves_at_once_in_one_line(tmp_path):
         code, alive = join.ctrl_c(timeout=30)
     finally:
         join.kill()
-    err = join.err()
-    assert code == 130, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == "tscale-peer: interrupted; the last checkpoint written stays valid"
-    assert not alive, alive
+    assert_left_in_one_line(join.err(), code, alive, "tscale-peer: interrupted; the last checkpoint written stays valid")
 
 
 @pytest.mark.timeout(90)
@@ -123,8 +127,4 @@ def test_ctrl_c_during_an_infer_fetch_says_one_line_and_exits_130(tmp_path):
             infer.kill()
     finally:
         dht.shutdown()
-    err = infer.err()
-    assert code == 130, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == "tscale-peer: interrupted while fetching run 'unserved''s model"
-    assert not alive, alive
+    assert_left_in_one_line(infer.err(), code, alive, "tscale-peer: interrupted while fetching run 'unserved''s model")
