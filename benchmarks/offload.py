@@ -245,7 +245,7 @@ def main() -> None:
     print(f"\nGPU budget {budget} GiB, {sequences * context} tokens per step, context {context}, "
           f"{'eager' if args.no_compile or dry else 'torch.compile'}, {time.perf_counter() - started:.0f}s in all")
     header = f"{'size':>5} {'params':>7} {'mode':<28} {'fits':<5} {'peak GiB':>8} {'tok/s':>8} {'% uncapped':>10} " \
-             f"{'step s':>7} {'update s':>8} {'accum s':>7} {'stall s':>7}"
+             f"{'step s':>7} {'update s':>8} {'(norm':>6} {'adamw':>6} {'cast)':>6} {'accum s':>7} {'stall s':>7}"
     print(header)
     print("-" * len(header))
     for size, mode, r, base in rows:
@@ -255,7 +255,8 @@ def main() -> None:
         fmt = lambda key, spec_: format(r[key], spec_) if key in r else "-"  # noqa: E731
         print(f"{size:>5} {r.get('params', 0) / 1e9:6.2f}B {mode:<28} {str(r.get('fits', False)):<5} "
               f"{fmt('peak_gib', '8.1f'):>8} {fmt('tokens_per_s', '8.0f'):>8} {pct:>10} {fmt('step_s', '7.2f'):>7} "
-              f"{fmt('update_s', '8.2f'):>8} {fmt('accumulate_s', '7.2f'):>7} {fmt('stall_s', '7.2f'):>7}"
+              f"{fmt('update_s', '8.2f'):>8} {fmt('update_norm_s', '6.2f'):>6} {fmt('update_adamw_s', '6.2f'):>6} "
+              f"{fmt('update_cast_s', '6.2f'):>6} {fmt('accumulate_s', '7.2f'):>7} {fmt('stall_s', '7.2f'):>7}"
               + (f"  ({r['why']})" if not r.get("fits") and r.get("why") else ""))
 
 

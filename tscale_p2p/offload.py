@@ -46,6 +46,7 @@ import psutil
 import torch
 from torch import nn
 
+from tscale_p2p.clipping import clip_in_optimizers
 from tscale_p2p.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -249,8 +250,9 @@ class OffloadedAdamW:
         self._accumulator_free = [threading.Event() for _ in range(self._copies)]
         for event in self._accumulator_free:
             event.set()
-        # cumulative seconds: host work of each thread, and the device side waiting for the host
-        self.timings = {"accumulate": 0.0, "update": 0.0, "stall": 0.0}
+        # cumulative seconds: host work of each thread, and the device side waiting for the host; the update's
+        # three parts (the norm for clipping, AdamW, the cast into the upload slots) are also kept apart
+        self.timings = dict.fromkeys(["accumulate", "update", "update_norm", "update_adamw", "update_cast", "stall"], 0.0)
         self._grad_jobs: queue.Queue = queue.Queue()
         self._update_jobs: queue.Queue = queue.Queue()
         caller_threads = torch.get_num_threads()
@@ -495,18 +497,25 @@ class OffloadedAdamW:
         for record in self._params:
             record.master.grad = record.grads[accumulator]
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_([r.master for r in self._params], self.grad_clip)
+            clip_in_optimizers([unit.optimizer for unit in self._units], [r.master.grad for r in self._params],
+                               self.grad_clip)
+        clipped = time.perf_counter()
+        self.timings["update_norm"] += clipped - start
         slot = version % self._copies
         for unit in self._units:  # in execution order, so the next forward can start on the first units
             for group, number in zip(unit.optimizer.param_groups, unit.groups):
                 group.update(options[number])
+            adamw = time.perf_counter()
             unit.optimizer.step()
+            cast = time.perf_counter()
+            self.timings["update_adamw"] += cast - adamw
             with self._cond:
                 event = unit.slot_events[slot]
             if event is not None:
                 event.synchronize()  # the upload that last read this slot has finished
             for record in unit.params:
                 record.slots[slot].copy_(record.master)
+            self.timings["update_cast"] += time.perf_counter() - cast
             with self._cond:
                 unit.slot_versions[slot] = version
                 self._cond.notify_all()

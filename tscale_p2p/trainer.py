@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tscale_p2p.checkpoint import Checkpoint, capture_rng_state, restore_rng_state, save_checkpoint
+from tscale_p2p.clipping import clip_in_optimizers
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer
@@ -208,7 +209,8 @@ class Trainer:
             loss.backward()
             total += loss.detach()
         if self.cfg.grad_clip > 0 and not self.offloaded:  # the offloaded optimizer clips on the host
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            clip_in_optimizers([self.optimizer], grads, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
