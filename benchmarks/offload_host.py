@@ -7,8 +7,9 @@ update thread (torch's fused CPU AdamW over fp32 masters, then a bf16 cast into 
 gradient thread (bf16 staging buffers added into fp32 accumulators). Each of them enters torch's OpenMP
 parallel regions, and with libgomp every calling thread gets a team of its own: two teams of `cores`
 threads each on `cores` cores. This script times the two jobs on the same buffers the way offload.py
-lays them out (64M-value tensors), alone and concurrently, with both threads left at torch's default thread
-count and with the cores split between them (`offload.host_thread_split`), and prints a table.
+lays them out (64M-value tensors), alone, concurrently, and concurrently while the calling thread keeps a
+core busy as the training loop does, with both threads left at torch's default thread count and with the cores
+split between them (`offload.host_thread_split`), and prints a table.
 """
 
 from __future__ import annotations
@@ -59,7 +60,14 @@ def timed(job, threads: int | None, repeats: int, results: dict, key: str, start
     results[key] = min(times)
 
 
-def run(state, optimizer, accumulator, split: tuple[int, int] | None, together: bool, repeats: int) -> dict:
+def keep_busy(workers: list[threading.Thread]) -> None:
+    """Stand in for the training loop's thread, which keeps one core busy launching GPU work."""
+    while any(worker.is_alive() for worker in workers):
+        sum(range(10_000))
+
+
+def run(state, optimizer, accumulator, split: tuple[int, int] | None, together: bool, busy_caller: bool,
+        repeats: int) -> dict:
     results: dict[str, float] = {}
     update_threads, gradient_threads = split if split else (None, None)
     jobs = [(lambda: update_job(state, optimizer), update_threads, "update"),
@@ -69,6 +77,8 @@ def run(state, optimizer, accumulator, split: tuple[int, int] | None, together: 
         workers = [threading.Thread(target=timed, args=(job, n, repeats, results, key, start)) for job, n, key in jobs]
         for worker in workers:
             worker.start()
+        if busy_caller:
+            keep_busy(workers)
         for worker in workers:
             worker.join()
     else:
@@ -97,12 +107,13 @@ def main() -> None:
     print(f"| threads | jobs | update s | accumulate s | update vs alone, default |")
     print("| --- | --- | --- | --- | --- |")
     reference = None
+    modes = {"alone": (False, False), "together": (True, False), "together, caller busy": (True, True)}
     for label, chosen in (("default", None), (f"split {split[0]}/{split[1]}", split)):
-        for together in (False, True):
-            result = run(state, optimizer, accumulator, chosen, together, args.repeats)
+        for mode, (together, busy_caller) in modes.items():
+            result = run(state, optimizer, accumulator, chosen, together, busy_caller, args.repeats)
             reference = reference or result["update"]
-            print(f"| {label} | {'together' if together else 'alone'} | {result['update']:.3f} | "
-                  f"{result['accumulate']:.3f} | {result['update'] / reference:.2f}x |", flush=True)
+            print(f"| {label} | {mode} | {result['update']:.3f} | {result['accumulate']:.3f} | "
+                  f"{result['update'] / reference:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -132,11 +132,14 @@ def host_thread_split(threads: int) -> tuple[int, int]:
 
     Each host thread that enters a torch parallel region gets an OpenMP team of its own, so left at torch's
     default both would start one thread per core, twice as many threads as cores, while they run at the same
-    time. The update (fused AdamW, compute-heavy) gets three quarters; the gradient thread's casts and adds
-    are memory-bound and saturate memory bandwidth with a few threads.
+    time. One core stays with the caller's thread, which drives the GPU: an OpenMP region waits for its slowest
+    thread, so a worker sharing a core with a busy thread slows its whole team down. Of the rest the update
+    (fused AdamW, compute-heavy) gets three quarters; the gradient thread's casts and adds are memory-bound and
+    saturate memory bandwidth with a few threads.
     """
-    gradient = max(1, threads // 4)
-    return max(1, threads - gradient), gradient
+    workers = threads - 1 if threads >= 4 else threads
+    gradient = max(1, workers // 4)
+    return max(1, workers - gradient), gradient
 
 
 def _stop_threads(queues: Sequence[queue.Queue], threads: Sequence[threading.Thread]) -> None:
