@@ -6,7 +6,7 @@ are opaque to the compiler (it fuses everything around them).
 
     throughput: python benchmarks/train_throughput.py --dims e768h12d12w1024 --batch 32
                 python benchmarks/train_throughput.py --dims e2048h16d30w1024 --batch 16
-    loss parity: python benchmarks/train_throughput.py --parity --steps 300 --dims e768h12d12w1024
+    loss parity: python benchmarks/train_throughput.py --parity --steps 300 --dims e768h12d12w1024 [--jobs 5]
 
 Throughput uses random tokens; parity trains each variant from the same initial weights on the same batches of
 byte-level text (the Python standard library's own sources, which every Python install carries) and reports
@@ -20,8 +20,11 @@ import argparse
 import json
 import math
 import sys
+import subprocess
 import sysconfig
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -159,6 +162,28 @@ def parity(cfg: ModelConfig, variant: str, batch: int, steps: int, data: torch.T
             "train_curve": curve, "train_s": train_s}
 
 
+def parity_in_processes(args: argparse.Namespace, variants: list[str]) -> list[dict]:
+    """Run each variant's parity training in its own process, `args.jobs` at a time on the one GPU (parity needs
+    no timing, and the small variants leave most of the GPU idle); their results, in `variants` order."""
+    common = ["--parity", "--dims", args.dims, "--batch", str(args.batch), "--steps", str(args.steps),
+              "--data-bytes", str(args.data_bytes), "--eval-batches", str(args.eval_batches), "--device", args.device]
+    common += ["--no-compile"] if args.no_compile else []
+
+    def one(variant: str) -> dict | None:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "result.json"
+            proc = subprocess.run([sys.executable, __file__, *common, "--variants", variant, "--json", str(out)],
+                                  capture_output=True, text=True)
+            if proc.returncode or not out.exists():
+                print(f"{variant}: FAILED (exit {proc.returncode}): {proc.stderr.strip()[-400:]}", flush=True)
+                return None
+            return json.loads(out.read_text().splitlines()[-1])
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(one, variants))
+    return [r for r in results if r is not None]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dims", default="e768h12d12w1024")
@@ -176,6 +201,8 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, print each variant's N most expensive GPU kernels in one step")
     p.add_argument("--json", help="append each result as one JSON line to this file")
+    p.add_argument("--jobs", type=int, default=1, help="--parity: train this many variants at once, each in its "
+                                                       "own process on the same GPU")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -188,6 +215,14 @@ def main() -> None:
     print(f"# {name}, {cfg.dims}, {cfg.parameter_count() / 1e6:.0f}M params, batch "
           f"{args.batch} x {cfg.context}, compile={not args.no_compile}", flush=True)
     results = []
+    if args.parity and args.jobs > 1:
+        results = parity_in_processes(args, variants)
+        for r in results:
+            print(json.dumps(r), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+        variants = []
     for variant in variants:
         try:
             if args.parity:

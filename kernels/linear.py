@@ -14,10 +14,12 @@ The master weight stays a full-precision nn.Parameter; its two quantized copies 
 when the parameter may have changed (after an optimizer step, or when its version counter moves), i.e. once
 per optimizer step however many micro-batches run.
 
-The matmuls are torch custom ops, so torch.compile traces a whole model through these layers (no graph
-breaks: the reshapes and copies around them fuse into the compiled kernels) while the Triton launches and the
-weight cache stay opaque Python. Each layer's cache is found through an integer id, which the compiler treats
-as a constant of the call site.
+The matmuls are torch custom ops inside an autograd Function, so torch.compile traces a whole model through
+these layers (no graph breaks: the reshapes and copies around them fuse into the compiled kernels) while the
+Triton launches and the weight cache stay opaque Python. Each layer's cache is found through an integer id,
+which the compiler treats as a constant of the call site. In a compiled graph the input's per-token
+quantization is plain torch ops, which the compiler fuses into the kernel that produces the input (the norm,
+the activation): the bf16 input then never goes to memory and back.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tscale_p2p.kernels.gemm import scaled_mm
-from tscale_p2p.kernels.quantize import FORMATS, QuantFormat, quantize_cols_t, quantize_rows, transpose
+from tscale_p2p.kernels.quantize import (FORMATS, QuantFormat, quantize_cols_t, quantize_rows, quantize_rows_torch,
+                                         transpose)
 
 
 def quantize_with_transpose(x: torch.Tensor, fmt: QuantFormat, stochastic: bool = False,
@@ -87,31 +90,33 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("tscale::quantized_linear", mutates_args=())
-def quantized_linear(x: torch.Tensor, weight: torch.Tensor, cache_id: int, fmt: str, grad_fmt: str,
-                     stochastic_grad: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Y = X W^T in `fmt`; also returns X quantized (per-token scales) for the backward, which computes the
-    gradients in `grad_fmt`."""
-    x2 = _as_2d(x)
-    f = FORMATS[fmt]
-    w_q, w_s, _, _ = _cache_for(cache_id).get(weight, f)
-    x_q, x_s = quantize_rows(x2, f)
-    y = scaled_mm(x_q, w_q, x_s, w_s, out_dtype=out_dtype)
-    return y.view(*x.shape[:-1], y.shape[-1]), x_q, x_s
+@torch.library.custom_op("tscale::quantized_matmul", mutates_args=())
+def quantized_matmul(x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor, cache_id: int, fmt: str,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """Y = X W^T from X already quantized per token ([M, K] and its [M] scales), with the layer's cached
+    quantized weight."""
+    w_q, w_s, _, _ = _cache_for(cache_id).get(weight, FORMATS[fmt])
+    return scaled_mm(x_q, w_q, x_s, w_s, out_dtype=out_dtype)
 
 
-@quantized_linear.register_fake
-def _(x, weight, cache_id, fmt, grad_fmt, stochastic_grad, out_dtype):
-    m = x.numel() // x.shape[-1]
-    return (x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype),
-            x.new_empty((m, x.shape[-1]), dtype=FORMATS[fmt].dtype), x.new_empty((m,), dtype=torch.float32))
+@quantized_matmul.register_fake
+def _(x_q, x_s, weight, cache_id, fmt, out_dtype):
+    return x_q.new_empty((x_q.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+def _quantize_input(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantization of a layer's input: in torch ops inside a compiled graph, where the compiler fuses
+    it into the kernel that produces the input (a norm, an activation), else with the one-pass Triton kernel."""
+    if torch.compiler.is_compiling():
+        return quantize_rows_torch(x2, fmt)
+    return quantize_rows(x2, fmt)
 
 
 @torch.library.custom_op("tscale::quantized_linear_backward", mutates_args=())
 def quantized_linear_backward(grad_y: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor,
                               cache_id: int, fmt: str, grad_fmt: str, stochastic_grad: bool, need_x: bool,
                               need_w: bool, x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dX, dW) of `quantized_linear`; an empty tensor for the one not needed."""
+    """(dX, dW) of a quantized linear layer; an empty tensor for the one not needed."""
     g2 = _as_2d(grad_y)
     gf = FORMATS[grad_fmt]
     grad_x = grad_w = grad_y.new_empty(0)
@@ -135,24 +140,26 @@ def _(grad_y, x_q, x_s, weight, cache_id, fmt, grad_fmt, stochastic_grad, need_x
     return grad_x, grad_w
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, cache_id, fmt, grad_fmt, stochastic_grad, _ = inputs
-    _, x_q, x_s = output
-    ctx.save_for_backward(x_q, x_s, weight)
-    ctx.cache_id, ctx.fmt, ctx.grad_fmt, ctx.stochastic_grad, ctx.x_dtype = (cache_id, fmt, grad_fmt,
-                                                                             stochastic_grad, x.dtype)
-    ctx.mark_non_differentiable(x_q, x_s)
+class _QuantizedLinearFunction(torch.autograd.Function):
+    """Y = X W^T in `fmt`; the backward computes dX and dW in `grad_fmt` from the forward's quantized X."""
 
+    @staticmethod
+    def forward(ctx, x, weight, cache_id: int, fmt: str, grad_fmt: str, stochastic_grad: bool,
+                out_dtype: torch.dtype):
+        x_q, x_s = _quantize_input(_as_2d(x), fmt)
+        y = quantized_matmul(x_q, x_s, weight, cache_id, fmt, out_dtype)
+        ctx.save_for_backward(x_q, x_s, weight)
+        ctx.cache_id, ctx.fmt, ctx.grad_fmt, ctx.stochastic_grad, ctx.x_dtype = (cache_id, fmt, grad_fmt,
+                                                                                 stochastic_grad, x.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
-def _backward(ctx, grad_y, _grad_x_q, _grad_x_s):
-    x_q, x_s, weight = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    grad_x, grad_w = quantized_linear_backward(grad_y, x_q, x_s, weight, ctx.cache_id, ctx.fmt, ctx.grad_fmt,
-                                               ctx.stochastic_grad, need_x, need_w, ctx.x_dtype)
-    return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None, None, None
-
-
-quantized_linear.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_q, x_s, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x, grad_w = quantized_linear_backward(grad_y, x_q, x_s, weight, ctx.cache_id, ctx.fmt, ctx.grad_fmt,
+                                                   ctx.stochastic_grad, need_x, need_w, ctx.x_dtype)
+        return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None, None, None
 
 
 class QuantizedLinear(nn.Module):
@@ -189,9 +196,8 @@ class QuantizedLinear(nn.Module):
             out_dtype = torch.get_autocast_dtype(device_type)
         else:
             out_dtype = x.dtype
-        y, _, _ = quantized_linear(x, self.weight, self._cache_id, self.fmt.name, self.grad_fmt.name,
-                                   self.stochastic_grad, out_dtype)
-        return y
+        return _QuantizedLinearFunction.apply(x, self.weight, self._cache_id, self.fmt.name, self.grad_fmt.name,
+                                              self.stochastic_grad, out_dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt.name}, "

@@ -256,6 +256,28 @@ def transpose(q: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def quantize_rows_torch(x: torch.Tensor, fmt: str = "e4m3"):
+    """`quantize_rows(x, fmt)` (one scale per row, round to nearest) written in torch ops, in the kernel's fp32
+    arithmetic: (q, scale). Under torch.compile the compiler fuses these ops into the kernel that produces x (a
+    norm, an activation), so x itself never makes the trip to memory and back; outside a compiled graph the
+    Triton kernel is the faster of the two."""
+    # The format's constants as literals: Dynamo (torch 2.13) fails to trace a QuantFormat field here when a
+    # second graph in the same process reaches this function from inside an autograd.Function.
+    if fmt == "int8":
+        dtype, qmax = torch.int8, 127.0
+    elif fmt == "e5m2":
+        dtype, qmax = torch.float8_e5m2, 57344.0
+    else:
+        dtype, qmax = torch.float8_e4m3fn, 448.0
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    y = (xf / scale[:, None]).clamp(-qmax, qmax)
+    if fmt == "int8":  # half away from zero, as the kernel rounds
+        y = torch.where(y >= 0, torch.floor(y + 0.5), -torch.floor(0.5 - y))
+    return y.to(dtype), scale
+
+
 def quantize_reference(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None):
     """Plain-torch reference for `quantize_rows` (round to nearest): returns (q, scale)."""
     f = _format(fmt)

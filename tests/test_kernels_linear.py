@@ -162,15 +162,21 @@ def test_short_training_tracks_fp32():
 
 
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
-def test_torch_compile_traces_through_quantized_linears(precision):
+@pytest.mark.parametrize("backend", [
+    "aot_eager",  # the traced graph, run op by op: the input quantization as torch ops
+    pytest.param("inductor", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a CUDA GPU")]),
+])
+def test_torch_compile_traces_through_quantized_linears(precision, backend):
     """The quantized matmuls are custom ops: a whole model compiles as one graph (fullgraph=True fails on any
-    graph break) and computes what the eager model computes."""
+    graph break) and computes what the eager model computes, also where the compiler fuses the input
+    quantization into the kernels before it (inductor)."""
     torch.manual_seed(8)
     model = convert_linears(Tiny().to(DEVICE), precision, skip=())
     idx = torch.randint(0, 16, (2, 9), device=DEVICE)
     eager_loss = model(idx).float().square().mean()
     eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     loss = compiled(idx).float().square().mean()
     grads = torch.autograd.grad(loss, list(model.parameters()))
     torch.testing.assert_close(loss, eager_loss)

@@ -27,6 +27,7 @@ from tscale_p2p.kernels.quantize import (
     quantize_cols_t,
     quantize_reference,
     quantize_rows,
+    quantize_rows_torch,
     transpose,
 )
 
@@ -85,6 +86,20 @@ def test_quantize_rows_matches_reference(fmt, group):
         assert q.dtype == FORMATS[fmt].dtype and q.shape == (M, K)
         check_quantized_rows(x, q, scale, fmt, group)
         assert torch.equal(col_amax, x.abs().amax(dim=0))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "int8"])
+def test_torch_ops_version_quantizes_exactly_like_the_kernel(fmt):
+    """Compiled models quantize a layer's input with the torch-ops version (fused into the producer), eager ones
+    with the kernel: the two must give the same bytes and scales."""
+    torch.manual_seed(2)
+    for M, K in SHAPES:
+        x = (torch.randn(M, K, device=DEVICE) * 3).to(torch.bfloat16)
+        x[0] = 0.0
+        q, scale = quantize_rows(x, fmt)
+        q_torch, scale_torch = quantize_rows_torch(x, fmt)
+        assert torch.equal(scale_torch, scale)
+        assert q_torch.dtype == q.dtype and torch.equal(q_torch.view(torch.int8), q.view(torch.int8))
 
 
 def test_quantize_rows_reads_strided_bf16_and_zero_rows():
