@@ -148,6 +148,9 @@ def parity(cfg: ModelConfig, variant: str, batch: int, steps: int, data: torch.T
         loss = step(fwd, opt, chunk[:, :-1], chunk[:, 1:])
         if i % 50 == 0 or i == steps - 1:
             curve.append((i, loss.item()))
+        if i % 250 == 0:  # progress, so that a run cut short still shows how far each variant got
+            print(f"{variant}: step {i}/{steps}, train loss {curve[-1][1]:.4f}, "
+                  f"{time.perf_counter() - start:.0f} s", flush=True)
     sync(device)
     train_s = time.perf_counter() - start
     model.eval()
@@ -172,8 +175,9 @@ def parity_in_processes(args: argparse.Namespace, variants: list[str]) -> list[d
     def one(variant: str) -> dict | None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
+            # stdout passes through (progress lines and the result); stderr is kept for a failure's message
             proc = subprocess.run([sys.executable, __file__, *common, "--variants", variant, "--json", str(out)],
-                                  capture_output=True, text=True)
+                                  stderr=subprocess.PIPE, text=True)
             if proc.returncode or not out.exists():
                 print(f"{variant}: FAILED (exit {proc.returncode}): {proc.stderr.strip()[-400:]}", flush=True)
                 return None
@@ -216,12 +220,10 @@ def main() -> None:
           f"{args.batch} x {cfg.context}, compile={not args.no_compile}", flush=True)
     results = []
     if args.parity and args.jobs > 1:
-        results = parity_in_processes(args, variants)
-        for r in results:
-            print(json.dumps(r), flush=True)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(r) + "\n")
+        results = parity_in_processes(args, variants)  # each process has printed its own result line
+        if args.json:
+            with open(args.json, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in results)
         variants = []
     for variant in variants:
         try:
