@@ -36,12 +36,10 @@ from tscale_p2p.kernels.quantize import (FORMATS, QuantFormat, quantize_cols_t, 
                                          transpose)
 
 
-def quantize_with_transpose(x: torch.Tensor, fmt: QuantFormat, stochastic: bool = False,
-                            row_mul: torch.Tensor | None = None):
-    """(q, row scales, q^T, column scales) of a 2-D tensor: both layouts a linear layer needs. With `row_mul`
-    the transposed copy is of x * row_mul[:, None]."""
-    q, s, col_amax = quantize_rows(x, fmt, stochastic=stochastic, col_amax=True, row_mul=row_mul)
-    q_t, s_t = quantize_cols_t(x, fmt, col_amax=col_amax, stochastic=stochastic, row_mul=row_mul)
+def quantize_with_transpose(x: torch.Tensor, fmt: QuantFormat):
+    """(q, row scales, q^T, column scales) of a 2-D tensor (a weight): both layouts a linear layer needs."""
+    q, s, col_amax = quantize_rows(x, fmt, col_amax=True)
+    q_t, s_t = quantize_cols_t(x, fmt, col_amax=col_amax)
     return q, s, q_t, s_t
 
 
@@ -115,18 +113,27 @@ def _quantize_input(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
 @torch.library.custom_op("tscale::quantized_linear_backward", mutates_args=())
 def quantized_linear_backward(grad_y: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor,
                               cache_id: int, fmt: str, grad_fmt: str, stochastic_grad: bool, need_x: bool,
-                              need_w: bool, x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dX, dW) of a quantized linear layer; an empty tensor for the one not needed."""
+                              need_w: bool, x_dtype: torch.dtype, g_q: torch.Tensor | None = None,
+                              g_s: torch.Tensor | None = None,
+                              col_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX, dW) of a quantized linear layer; an empty tensor for the one not needed.
+
+    dY's row-quantized copy (`g_q`, `g_s`) and, for dW, the column amax of dY * x_s may come precomputed (see
+    `_quantize_grad`); otherwise one kernel pass makes them here.
+    """
     g2 = _as_2d(grad_y)
     gf = FORMATS[grad_fmt]
     grad_x = grad_w = grad_y.new_empty(0)
+    if g_q is None:
+        if need_w:
+            g_q, g_s, col_amax = quantize_rows(g2, gf, stochastic=stochastic_grad, col_amax=True, row_mul=x_s)
+        else:
+            g_q, g_s = quantize_rows(g2, gf, stochastic=stochastic_grad)
     if need_w:
-        # dgrad's row-scaled copy and wgrad's transposed copy of dY * sx, from one pass for the column amax
-        g_q, g_s, g_q_t, g_s_t = quantize_with_transpose(g2, gf, stochastic_grad, row_mul=x_s)
+        # wgrad contracts over tokens: dY * sx transposed, one scale per column of dY
+        g_q_t, g_s_t = quantize_cols_t(g2, gf, stochastic=stochastic_grad, col_amax=col_amax, row_mul=x_s)
         ones = torch.ones(x_q.shape[1], dtype=torch.float32, device=x_q.device)
         grad_w = scaled_mm(g_q_t, transpose(x_q), g_s_t, ones, out_dtype=torch.float32).to(weight.dtype)
-    else:
-        g_q, g_s = quantize_rows(g2, gf, stochastic=stochastic_grad)
     if need_x:
         _, _, w_q_t, w_s_t = _cache_for(cache_id).get(weight, FORMATS[fmt])
         grad_x = scaled_mm(g_q, w_q_t, g_s, w_s_t, out_dtype=x_dtype).view(*grad_y.shape[:-1], -1)
@@ -134,10 +141,22 @@ def quantized_linear_backward(grad_y: torch.Tensor, x_q: torch.Tensor, x_s: torc
 
 
 @quantized_linear_backward.register_fake
-def _(grad_y, x_q, x_s, weight, cache_id, fmt, grad_fmt, stochastic_grad, need_x, need_w, x_dtype):
+def _(grad_y, x_q, x_s, weight, cache_id, fmt, grad_fmt, stochastic_grad, need_x, need_w, x_dtype, g_q=None,
+      g_s=None, col_amax=None):
     grad_x = grad_y.new_empty((*grad_y.shape[:-1], weight.shape[1]), dtype=x_dtype) if need_x else grad_y.new_empty(0)
     grad_w = weight.new_empty(weight.shape) if need_w else grad_y.new_empty(0)
     return grad_x, grad_w
+
+
+def _quantize_grad(g2: torch.Tensor, x_s: torch.Tensor, grad_fmt: str, stochastic: bool, need_w: bool) -> dict:
+    """Inside a compiled graph, dY's row quantization and (for dW) its column amax of dY * x_s as torch ops,
+    which the compiler fuses into the kernels that produce dY (the norm's and the activation's backward, the
+    attention gradients' concatenation); empty elsewhere, and for stochastic rounding (kernel only)."""
+    if stochastic or not torch.compiler.is_compiling():
+        return {}
+    g_q, g_s = quantize_rows_torch(g2, grad_fmt)
+    col_amax = (g2.float().abs() * x_s[:, None]).amax(dim=0) if need_w else None  # x_s >= 0
+    return {"g_q": g_q, "g_s": g_s, "col_amax": col_amax}
 
 
 class _QuantizedLinearFunction(torch.autograd.Function):
@@ -157,9 +176,12 @@ class _QuantizedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         x_q, x_s, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_x, grad_w = quantized_linear_backward(grad_y, x_q, x_s, weight, ctx.cache_id, ctx.fmt, ctx.grad_fmt,
-                                                   ctx.stochastic_grad, need_x, need_w, ctx.x_dtype)
-        return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None, None, None
+        g2 = _as_2d(grad_y)
+        grad_x, grad_w = quantized_linear_backward(
+            g2, x_q, x_s, weight, ctx.cache_id, ctx.fmt, ctx.grad_fmt, ctx.stochastic_grad, need_x, need_w,
+            ctx.x_dtype, **_quantize_grad(g2, x_s, ctx.grad_fmt, ctx.stochastic_grad, need_w))
+        grad_x = grad_x.view(*grad_y.shape[:-1], -1) if need_x else None
+        return grad_x, (grad_w if need_w else None), None, None, None, None, None
 
 
 class QuantizedLinear(nn.Module):
