@@ -17,9 +17,10 @@ per optimizer step however many micro-batches run.
 The matmuls are torch custom ops inside an autograd Function, so torch.compile traces a whole model through
 these layers (no graph breaks: the reshapes and copies around them fuse into the compiled kernels) while the
 Triton launches and the weight cache stay opaque Python. Each layer's cache is found through an integer id,
-which the compiler treats as a constant of the call site. In a compiled graph the input's per-token
-quantization is plain torch ops, which the compiler fuses into the kernel that produces the input (the norm,
-the activation): the bf16 input then never goes to memory and back.
+which the compiler treats as a constant of the call site. In a compiled graph the per-token quantization of
+the input, and in the backward of dY (with dY's column amax for the weight gradient), are plain torch ops, which
+the compiler fuses into the kernels that produce those tensors (the norm, the activation, their backward):
+the bf16 input then never goes to memory and back, and dY needs no separate pass for its row scales.
 """
 
 from __future__ import annotations
