@@ -9,7 +9,9 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    A reducer decodes every contribution and drops the sender for the round if it is not a well-formed 1-bit
    tensor of the expected shape, is not finite, carries a non-positive weight, or has a norm above
    `max_norm_ratio` times the reducer's own part. Weights are the tokens each peer processed. Senders check
-   the averages they get back the same way (against the part they sent).
+   the averages they get back the same way (against the part they sent). A peer that trained on k times our
+   tokens moves its weights further, so its bound is k times higher (k capped at `max_norm_ratio`): a peer
+   that has just downloaded the state, a few steps into its round, must not refuse the group's average.
 3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which
    differs per sender. Instead the reducer packs the mean once and sends the same bytes to everyone: the
    return trip is ~1 bit per value as well, and every peer of the group decodes the very same average.
@@ -180,6 +182,7 @@ class SwarmAverager(DecentralizedAverager):
       groups as incorrect for this use, so only set it when it is at least the swarm size
     :param codec: the 1-bit codec (its block size travels on the wire)
     :param max_norm_ratio: a contribution whose part norm exceeds this multiple of the reducer's own is dropped
+      (times the sender's tokens over ours, at most `max_norm_ratio` again, where it trained on more)
     :param sender_error_feedback: keep what this peer's 1-bit message could not carry and add it next round
     :param reducer_error_feedback: the same for the averages this peer sends back for its span. Off by
       default: on a small DiLoCo problem it cost +22% validation loss, while sender-only feedback with a plain
@@ -379,6 +382,7 @@ class SwarmAverager(DecentralizedAverager):
         sent = await self._outgoing
         try:
             runner = _OneBitAllReduceRunner(
+                group_tokens=self._group_tokens(group_info),
                 p2p=self._p2p,
                 servicer_type=type(self),
                 prefix=self.prefix,
@@ -406,6 +410,17 @@ class SwarmAverager(DecentralizedAverager):
                 self._sender_residual[start:end] += sent[start:end]
         for tensor, average in zip(tensors, averaged):
             tensor.copy_(average)
+
+    def _group_tokens(self, group_info: GroupInfo) -> float:
+        """The tokens the group declared when it formed (remote data: malformed entries count 0)."""
+        total = 0.0
+        for blob in group_info.gathered:
+            try:
+                _, _, user_gathered = self.serializer.loads(blob)  # hivemind's (bandwidth, mode, user data)
+                total += _declared_tokens(self.serializer.loads(user_gathered))
+            except Exception:  # noqa: BLE001  (anything a hostile groupmate could make the decoder raise)
+                continue
+        return total
 
     def _pack_with_error_feedback(self) -> torch.Tensor:
         """What this peer sends (flat): 1-bit `tensor + residual`, decoded; the residual keeps the difference.
@@ -450,6 +465,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         codec: OneBitCodec,
         reducer_residual: Optional[torch.Tensor],
         max_norm_ratio: float,
+        group_tokens: float,
         traffic: torch.Tensor,
         **kwargs,
     ):
@@ -457,6 +473,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         self.codec, self.reducer_residual, self.max_norm_ratio, self.traffic = (
             codec, reducer_residual, max_norm_ratio, traffic
         )
+        self.group_tokens = group_tokens
         self._own_norms = [float(part.norm()) for part in self.parts_for_local_averaging]
         self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
         self._sent_parts: dict[int, list[tuple[torch.Size, float]]] = {}  # peer index -> (shape, norm) we sent
@@ -481,7 +498,8 @@ class _OneBitAllReduceRunner(AllReduceRunner):
                     weight = message.weight
                     if not (math.isfinite(weight) and weight > 0):
                         raise InvalidContributionError(f"weight {weight}")
-                part = await loop.run_in_executor(None, self._decode_contribution, message.tensor_part, part_index)
+                part = await loop.run_in_executor(None, self._decode_contribution, message.tensor_part, part_index,
+                                                  weight)
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight)
                 except BannedException:
@@ -497,14 +515,20 @@ class _OneBitAllReduceRunner(AllReduceRunner):
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(sender)
 
-    def _decode_contribution(self, serialized: runtime_pb2.Tensor, part_index: int) -> torch.Tensor:
+    def _norm_bound(self, own: float, tokens: float) -> float:
+        """The largest norm accepted for a part from (or averaged over) `tokens` tokens, ours being `own`."""
+        allowance = min(self.max_norm_ratio, max(1.0, tokens / self.weight)) if self.weight > 0 else 1.0
+        return self.max_norm_ratio * allowance * own
+
+    def _decode_contribution(self, serialized: runtime_pb2.Tensor, part_index: int, weight: float) -> torch.Tensor:
         if part_index >= len(self.parts_for_local_averaging):
             raise InvalidContributionError("more parts than this span has")
         expected = self.parts_for_local_averaging[part_index]
         part = _decode_onebit(self.codec, serialized, expected.shape)
         norm, own = float(part.norm()), self._own_norms[part_index]
-        if own > 0 and norm > self.max_norm_ratio * own:
-            raise InvalidContributionError(f"norm {norm:.3g} is over {self.max_norm_ratio}x this peer's {own:.3g}")
+        if own > 0 and norm > self._norm_bound(own, weight):
+            raise InvalidContributionError(f"norm {norm:.3g} from {weight:.3g} tokens is over the bound for this "
+                                           f"peer's {own:.3g} from {self.weight:.3g}")
         return part
 
     def _reply_for(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
@@ -572,8 +596,9 @@ class _OneBitAllReduceRunner(AllReduceRunner):
             shape, sent_norm = self._sent_parts[peer_index][part_index]
             averaged = await loop.run_in_executor(None, _decode_onebit, self.codec, message.tensor_part, shape)
             norm = float(averaged.norm())
-            if sent_norm > 0 and norm > self.max_norm_ratio * sent_norm:
-                raise InvalidContributionError(f"average norm {norm:.3g} is over {self.max_norm_ratio}x ours")
+            if sent_norm > 0 and norm > self._norm_bound(sent_norm, self.group_tokens):
+                raise InvalidContributionError(f"average norm {norm:.3g} of {self.group_tokens:.3g} tokens is "
+                                               f"over the bound for our {sent_norm:.3g} from {self.weight:.3g}")
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
             part_index += 1
         if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
