@@ -244,7 +244,8 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
 def test_a_peer_whose_global_weights_diverged_gets_back_in_step(spawn, text_file):
     """b is frozen (SIGSTOP: a network outage) while a trains on and averages alone, so their global weights
     diverge. Back, b finds its round based on other weights than its group's, downloads the state, and
-    from then on applies the same rounds to the same global weights as a."""
+    from then on applies the same rounds to the same global weights as a (a round disturbed under load makes
+    it resync again)."""
     flags = [*TINY, "--inner-steps", "5", "--matchmaking-time", "1", "--averaging-timeout", "6"]
     a = spawn("a", *join_args("a", text_file, "--run-id", "outage", "--name", "a", "--steps", "1000000", *flags))
     founder = a.wait_for(r"tscale-peer join --initial-peers (\S+) --run-id outage", timeout=60)[0].group(1)
@@ -258,12 +259,26 @@ def test_a_peer_whose_global_weights_diverged_gets_back_in_step(spawn, text_file
         b.signal_group(signal.SIGCONT)
     resynced = b.wait_for(r"back in step with the swarm at round (\d+), weights (\w+)", timeout=60)[0]
     back_at = int(resynced.group(1))
-    b.wait_for(rf"round {back_at + 2}: averaged with 1 peer", timeout=60)
-    a.wait_for(rf"round {back_at + 2}: averaged with 1 peer", timeout=30)
+
+    def in_step_twice() -> bool:
+        """Two consecutive rounds after the resync that both averaged together, to the same weights."""
+        history_a, history_b = rounds(a.output()), rounds(b.output())
+        together = {r for r, entry in history_a.items() if r > back_at and entry[0] == 1 and history_b.get(r) == entry}
+        return any(r + 1 in together for r in together)
+
+    deadline = time.monotonic() + 60
+    while not in_step_twice() and time.monotonic() < deadline:
+        time.sleep(0.2)
     stop_all([a, b])
     history_a, history_b = rounds(a.output()), rounds(b.output())
-    for number in (back_at + 1, back_at + 2):
-        assert history_b[number] == history_a[number] == (1, history_a[number][1]), (history_a, history_b)
+    assert in_step_twice(), (history_a, history_b)
+    # Every round from the resync on is the same on both, up to one that a peer reports as disturbed (a span
+    # lost mid-round under load, after which b finds itself out of step and resyncs again): weights that
+    # differ for no reported reason fail.
+    disturbed = [r for r in disturbed_rounds(a.output()) | disturbed_rounds(b.output()) if r > back_at]
+    for number in range(back_at + 1, min(disturbed, default=max(history_a) + 1)):
+        if number in history_a and number in history_b:
+            assert history_a[number] == history_b[number], (number, history_a, history_b)
 
 
 @pytest.mark.timeout(60)
