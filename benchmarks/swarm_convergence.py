@@ -47,7 +47,7 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.codec import BLOCK_SIZE
-from tscale_p2p.peers.join import initial_weights
+from tscale_p2p.peers.join import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, initial_weights
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
 from tscale_p2p.trainer import Trainer
@@ -251,8 +251,8 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=25)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--outer-lr", type=float, default=0.7)
-    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--outer-lr", type=float, default=DEFAULT_OUTER_LR, help="(default: join's)")
+    parser.add_argument("--outer-momentum", type=float, default=DEFAULT_OUTER_MOMENTUM, help="(default: join's)")
     parser.add_argument("--tune-outer-lrs", default="", help="comma-separated outer lrs of extra one-round-late rows")
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--eval-batches", type=int, default=40)

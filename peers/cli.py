@@ -45,8 +45,8 @@ def add_join_parser(commands) -> None:
                        help="behind NAT/firewall: only dial out (reached through relays); serves no state")
     swarm.add_argument("--inner-steps", type=int, metavar="H",
                        help="local steps between averaging rounds (a new run's setting; default 100)")
-    swarm.add_argument("--outer-lr", type=float, metavar="LR", help="outer Nesterov SGD learning rate (new run; 0.7)")
-    swarm.add_argument("--outer-momentum", type=float, metavar="M", help="outer Nesterov momentum (new run; 0.9)")
+    swarm.add_argument("--outer-lr", type=float, metavar="LR", help="outer Nesterov SGD learning rate (new run; 1.0)")
+    swarm.add_argument("--outer-momentum", type=float, metavar="M", help="outer Nesterov momentum (new run; 0.7)")
     swarm.add_argument("--max-steps", type=int, metavar="N", help="stop after N local steps (for scripts)")
     swarm.add_argument("--min-peers", type=int, default=1, metavar="N",
                        help="wait until N peers (this one included) are online before training (for scripts)")
