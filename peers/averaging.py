@@ -70,7 +70,6 @@ from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
 from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
@@ -277,15 +276,12 @@ class SwarmAverager(DecentralizedAverager):
     # ---- host process: the swarm loop's API ----
 
     def start_round(
-        self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, metadata: Any = None,
-        matchmaking_time: Optional[float] = None,
+        self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, metadata: Any = None
     ) -> PendingRound:
         """Begin averaging `pseudo_gradient` (weights at round start minus weights now) in the background.
 
         `tokens` (> 0) is this peer's weight; `metadata` (small, msgpack-able) reaches every groupmate in
-        `RoundOutcome.group_metadata`. `matchmaking_time` overrides the averager's for this round: how long a
-        group this peer leads waits for others to join (at most half the round timeout, which also bounds
-        the all-reduce). The tensors are copied, so training may continue at once. Raises
+        `RoundOutcome.group_metadata`. The tensors are copied, so training may continue at once. Raises
         ValueError for a pseudo-gradient that is not finite or does not match the template, and RuntimeError
         while the previous round is still pending.
         """
@@ -308,11 +304,9 @@ class SwarmAverager(DecentralizedAverager):
                 for buffer, tensor in zip(buffers, pseudo_gradient):
                     buffer.copy_(tensor.detach())
             traffic_before = self.traffic()
-            scheduled_time = (None if matchmaking_time is None
-                              else get_dht_time() + min(matchmaking_time, self.round_timeout / 2))
             control = self.step(
                 gather=dict(tokens=float(tokens), metadata=metadata), weight=float(tokens),
-                scheduled_time=scheduled_time, timeout=self.round_timeout, wait=False,
+                timeout=self.round_timeout, wait=False,
             )
         except BaseException:
             self._step_finished.set()

@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 SWARM_STATE_FILE = "swarm-state.safetensors"
 CONFIG_REFRESH_S = 3600.0
 RESYNC_TIMEOUT_S = 60.0
-FINAL_ROUND_MATCHMAKING_FACTOR = 3  # the last round's matchmaking window, in averager matchmaking times
 FINGERPRINT_VALUES = 2**20  # weights hashed per fingerprint: an outer step changes every weight, so a sample
 # finds any difference between two peers' global weights at a cost that does not grow with the model
 
@@ -280,10 +279,7 @@ class SwarmPeer:
             if steps_in_round and not (should_stop() or self.status.stop_requested.is_set()):
                 self._drain()
                 self._wait_for_the_swarms_round_end(steps_in_round)
-                # The run is over: average its last steps too (they would be lost otherwise). Peers whose runs
-                # end together reach this point up to a second or so apart; a longer matchmaking window keeps
-                # them in one group (training no longer waits on it).
-                self._end_round(matchmaking_time=FINAL_ROUND_MATCHMAKING_FACTOR * self.averager.matchmaking_time)
+                self._end_round()  # the run is over: average its last steps too (they would be lost otherwise)
         finally:
             self.clock.stop()
             loop_end = loop_end or time.perf_counter()
@@ -317,15 +313,14 @@ class SwarmPeer:
             return True
         return self.trainer.step >= self.trainer.cfg.steps
 
-    def _end_round(self, matchmaking_time: float | None = None) -> None:
+    def _end_round(self) -> None:
         """Start averaging this round's update (the previous round's average is applied by now)."""
         pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot())
         tokens, self._tokens_in_round = self._tokens_in_round, 0
         base = (self.round, self._fingerprint)
         try:
             pending = self.averager.start_round(
-                [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata={"round": base[0], "weights": base[1]},
-                matchmaking_time=matchmaking_time,
+                [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata={"round": base[0], "weights": base[1]}
             )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)
