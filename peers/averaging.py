@@ -10,8 +10,8 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    tensor of the expected shape, is not finite, carries a non-positive weight, or has a norm above
    `max_norm_ratio` times the reducer's own part. Weights are the tokens each peer processed. Senders check
    the averages they get back the same way (against the part they sent). A peer that trained on k times our
-   tokens moves its weights further, so its bound is k times higher (k capped at `max_norm_ratio`): a peer
-   that has just downloaded the state, a few steps into its round, must not refuse the group's average.
+   tokens moves its weights further, so its bound is k times higher (k capped at `TOKEN_ALLOWANCE_CAP`): a
+   peer that has just downloaded the state, a few steps into its round, must not refuse the group's average.
 3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which
    differs per sender. Instead the reducer packs the mean once and sends the same bytes to everyone: the
    return trip is ~1 bit per value as well, and every peer of the group decodes the very same average.
@@ -76,6 +76,11 @@ from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
 from tscale_p2p.peers.codec import ONEBIT_COMPRESSION_TYPE, OneBitCodec
 
 logger = logging.getLogger(__name__)
+
+# A contribution from k times our tokens may have up to k times the norm bound, k at most this: a peer just
+# past a state download (few tokens, a tiny pseudo-gradient) keeps the group's average, while a peer claiming a
+# huge token count still cannot send more than this times max_norm_ratio our norm.
+TOKEN_ALLOWANCE_CAP = 10.0
 
 _SENT, _RECEIVED = 0, 1
 
@@ -182,7 +187,7 @@ class SwarmAverager(DecentralizedAverager):
       groups as incorrect for this use, so only set it when it is at least the swarm size
     :param codec: the 1-bit codec (its block size travels on the wire)
     :param max_norm_ratio: a contribution whose part norm exceeds this multiple of the reducer's own is dropped
-      (times the sender's tokens over ours, at most `max_norm_ratio` again, where it trained on more)
+      (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`, where it trained on more)
     :param sender_error_feedback: keep what this peer's 1-bit message could not carry and add it next round
     :param reducer_error_feedback: the same for the averages this peer sends back for its span. Off by
       default: on a small DiLoCo problem it cost +22% validation loss, while sender-only feedback with a plain
@@ -517,7 +522,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
 
     def _norm_bound(self, own: float, tokens: float) -> float:
         """The largest norm accepted for a part from (or averaged over) `tokens` tokens, ours being `own`."""
-        allowance = min(self.max_norm_ratio, max(1.0, tokens / self.weight)) if self.weight > 0 else 1.0
+        allowance = min(TOKEN_ALLOWANCE_CAP, max(1.0, tokens / self.weight)) if self.weight > 0 else 1.0
         return self.max_norm_ratio * allowance * own
 
     def _decode_contribution(self, serialized: runtime_pb2.Tensor, part_index: int, weight: float) -> torch.Tensor:
