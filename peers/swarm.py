@@ -281,9 +281,12 @@ class SwarmPeer:
                 self._wait_for_the_swarms_round_end(steps_in_round)
                 self._end_round()  # the run is over: average its last steps too (they would be lost otherwise)
         finally:
-            self.clock.stop()
             loop_end = loop_end or time.perf_counter()
+            # No more steps from us (others must not wait for them); the clock keeps telling us who still trains
+            # while the round in flight settles.
+            self.clock.update(self.round + (self._in_flight is not None), 0, 0.0)
             self._drain()
+            self.clock.stop()
             self.wall_s, self.drain_s = loop_end - loop_start, time.perf_counter() - loop_end
             self._stop_publishing.set()
             self._publisher.join(timeout=10)
@@ -438,12 +441,14 @@ class SwarmPeer:
 
     def _settle_in_flight(self) -> None:
         """Leaving: wait for the round in flight, but give it up (this peer's own update is applied) if it is still
-        looking for a group twice its matchmaking time after it started: the others have left, and the
-        averaging timeout may be far off."""
+        looking for a group twice its matchmaking time after it started while nobody else trains towards it:
+        the others have left or stopped, and the averaging timeout may be far off. Others still finishing
+        their last steps of the round are waited for (within the averaging timeout), to average with them."""
         if self._in_flight is None:
             return
         pending, patience = self._in_flight.pending, 2 * self.averager.matchmaking_time
-        while not pending.done() and not pending.give_up_if_alone(after_s=patience):
+        epoch = self.round + 1
+        while not pending.done() and not (self.clock.others_idle(epoch) and pending.give_up_if_alone(after_s=patience)):
             time.sleep(0.1)
 
     # ---- reporting ----
