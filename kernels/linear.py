@@ -112,19 +112,18 @@ def _quantize_input(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.library.custom_op("tscale::quantized_linear_backward", mutates_args=())
-def quantized_linear_backward(grad_y: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor,
+def quantized_linear_backward(g2: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor,
                               cache_id: int, fmt: str, grad_fmt: str, stochastic_grad: bool, need_x: bool,
                               need_w: bool, x_dtype: torch.dtype, g_q: torch.Tensor | None = None,
                               g_s: torch.Tensor | None = None,
                               col_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dX, dW) of a quantized linear layer; an empty tensor for the one not needed.
+    """(dX [M, K], dW) of a quantized linear layer from dY as `g2` [M, N]; an empty tensor for the one not needed.
 
     dY's row-quantized copy (`g_q`, `g_s`) and, for dW, the column amax of dY * x_s may come precomputed (see
     `_quantize_grad`); otherwise one kernel pass makes them here.
     """
-    g2 = _as_2d(grad_y)
     gf = FORMATS[grad_fmt]
-    grad_x = grad_w = grad_y.new_empty(0)
+    grad_x = grad_w = g2.new_empty(0)
     if g_q is None:
         if need_w:
             g_q, g_s, col_amax = quantize_rows(g2, gf, stochastic=stochastic_grad, col_amax=True, row_mul=x_s)
@@ -137,15 +136,15 @@ def quantized_linear_backward(grad_y: torch.Tensor, x_q: torch.Tensor, x_s: torc
         grad_w = scaled_mm(g_q_t, transpose(x_q), g_s_t, ones, out_dtype=torch.float32).to(weight.dtype)
     if need_x:
         _, _, w_q_t, w_s_t = _cache_for(cache_id).get(weight, FORMATS[fmt])
-        grad_x = scaled_mm(g_q, w_q_t, g_s, w_s_t, out_dtype=x_dtype).view(*grad_y.shape[:-1], -1)
+        grad_x = scaled_mm(g_q, w_q_t, g_s, w_s_t, out_dtype=x_dtype)
     return grad_x, grad_w
 
 
 @quantized_linear_backward.register_fake
-def _(grad_y, x_q, x_s, weight, cache_id, fmt, grad_fmt, stochastic_grad, need_x, need_w, x_dtype, g_q=None,
+def _(g2, x_q, x_s, weight, cache_id, fmt, grad_fmt, stochastic_grad, need_x, need_w, x_dtype, g_q=None,
       g_s=None, col_amax=None):
-    grad_x = grad_y.new_empty((*grad_y.shape[:-1], weight.shape[1]), dtype=x_dtype) if need_x else grad_y.new_empty(0)
-    grad_w = weight.new_empty(weight.shape) if need_w else grad_y.new_empty(0)
+    grad_x = g2.new_empty((g2.shape[0], weight.shape[1]), dtype=x_dtype) if need_x else g2.new_empty(0)
+    grad_w = weight.new_empty(weight.shape) if need_w else g2.new_empty(0)
     return grad_x, grad_w
 
 
