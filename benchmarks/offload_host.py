@@ -1,6 +1,6 @@
 """The host side of `--offload optimizer` alone: does the gradient thread slow the AdamW update down?
 
-    python benchmarks/offload_host.py [--params 200e6] [--repeats 3]
+    python benchmarks/offload_host.py [--params 200e6] [--repeats 3] [--split 12,3]
 
 The offload optimizer (tscale_p2p/offload.py) runs two host threads at once during a training step: the
 update thread (torch's fused CPU AdamW over fp32 masters, then a bf16 cast into the upload slot) and the
@@ -8,8 +8,8 @@ gradient thread (bf16 staging buffers added into fp32 accumulators). Each of the
 parallel regions, and with libgomp every calling thread gets a team of its own: two teams of `cores`
 threads each on `cores` cores. This script times the two jobs on the same buffers the way offload.py
 lays them out (64M-value tensors), alone, concurrently, and concurrently while the calling thread keeps a
-core busy as the training loop does, with both threads left at torch's default thread count and with the cores
-split between them (`offload.host_thread_split`), and prints a table.
+core busy as the training loop does, with both threads left at torch's default thread count (what offload.py
+does) and, with --split, with the cores split between them, and prints a table.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import threading
 import time
 
 import torch
-
-from tscale_p2p.offload import host_thread_split
 
 CHUNK = 64 * 2**20  # values per tensor
 
@@ -93,6 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=200e6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--split", help="also time the jobs with UPDATE,GRADIENT threads each, e.g. 12,3")
     args = parser.parse_args()
     params, cores = int(args.params), os.cpu_count()
     state = buffers(params)
@@ -101,14 +100,17 @@ def main() -> None:
     optimizer = torch.optim.AdamW(state["master"], lr=1e-4, fused=True)
     accumulator = [torch.zeros(n.numel()) for n in state["staging"]]
     update_job(state, optimizer)  # allocate the moments
-    split = host_thread_split(cores)
+    policies = [("default", None)]
+    if args.split:
+        split = tuple(int(n) for n in args.split.split(","))
+        policies.append((f"split {split[0]}/{split[1]}", split))
     print(f"{params / 1e6:.0f}M parameters, {cores} cores, torch {torch.__version__}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, split update/gradient = {split}")
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     print(f"| threads | jobs | update s | accumulate s | update vs alone, default |")
     print("| --- | --- | --- | --- | --- |")
     reference = None
     modes = {"alone": (False, False), "together": (True, False), "together, caller busy": (True, True)}
-    for label, chosen in (("default", None), (f"split {split[0]}/{split[1]}", split)):
+    for label, chosen in policies:
         for mode, (together, busy_caller) in modes.items():
             result = run(state, optimizer, accumulator, chosen, together, busy_caller, args.repeats)
             reference = reference or result["update"]

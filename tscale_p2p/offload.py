@@ -20,8 +20,9 @@ With gradient accumulation the gradients either stay on the device until the ste
 (`device_passes`, one transfer per step) or leave after every micro-batch and are summed on the host in fp32.
 
 Seen from the host: the gradient thread adds the staged gradients into an fp32 accumulator; `step()` hands it
-to the update thread, which clips, runs torch's fused CPU AdamW unit by unit in forward order and casts each
-unit's new masters into an upload slot, where the forward picks them up.
+to the update thread, which clips (by the norm the device measured as the gradients left it, when they left in
+one pass), runs torch's fused CPU AdamW unit by unit in forward order and casts each unit's new masters into an
+upload slot, where the forward picks them up.
 
 `delay` 0: step s trains on the weights after s updates, exactly like an ordinary optimizer; the update of step
 s - 1 overlaps the forward of step s unit by unit (unit u waits only for unit u's update).
@@ -113,6 +114,7 @@ class _Param:
     grads: list[torch.Tensor]  # fp32 accumulators, one per step in flight
     staging: torch.Tensor  # pinned, working dtype: the gradient on its way out
     slots: list[torch.Tensor]  # pinned, working dtype: updated weights on their way in
+    position: int = 0  # in model order: where its gradient's norm goes
 
 
 @dataclass(eq=False)
@@ -125,21 +127,6 @@ class _Unit:
     slot_events: list = field(default_factory=list)
     device_version: int = 0
     device_event: torch.cuda.Event | None = None  # upload the compute stream has yet to wait for
-
-
-def host_thread_split(threads: int) -> tuple[int, int]:
-    """(update, gradient) OpenMP thread counts for the two host threads, out of `threads` in all.
-
-    Each host thread that enters a torch parallel region gets an OpenMP team of its own, so left at torch's
-    default both would start one thread per core, twice as many threads as cores, while they run at the same
-    time. One core stays with the caller's thread, which drives the GPU: an OpenMP region waits for its slowest
-    thread, so a worker sharing a core with a busy thread slows its whole team down. Of the rest the update
-    (fused AdamW, compute-heavy) gets three quarters; the gradient thread's casts and adds are memory-bound and
-    saturate memory bandwidth with a few threads.
-    """
-    workers = threads - 1 if threads >= 4 else threads
-    gradient = max(1, workers // 4)
-    return max(1, workers - gradient), gradient
 
 
 def _stop_threads(queues: Sequence[queue.Queue], threads: Sequence[threading.Thread]) -> None:
@@ -224,6 +211,16 @@ class OffloadedAdamW:
         if missing:
             raise ValueError(f"parameters outside every unit: {missing[:3]}")
         self._params = [record for unit in self._units for record in unit.params]
+        for position, record in enumerate(self._params):
+            record.position = position
+        # For clipping, the norm of each gradient as it leaves the device, where reading it costs next to nothing
+        # (on a 3B model the host's pass over the fp32 gradients took ~2 s a step, competing with AdamW for memory
+        # bandwidth). Valid when a step's gradients leave in one pass; summed on the host from several passes
+        # they need the host's norm.
+        self._grad_norms = torch.zeros(len(self._params), device=self.device)
+        self._grad_norm = torch.zeros((), device=self.device)
+        self._grad_norm_host = torch.zeros((), pin_memory=pin)
+        self._step_grad_norms: list[torch.Tensor | None] = [None] * self._copies  # per accumulator, from the device
 
         master = {id(r.working): r.master for r in self._params}
         outer = [{**group, "params": [master[id(p)] for p in group["params"]]} for group in groups]
@@ -258,20 +255,16 @@ class OffloadedAdamW:
         self.timings = dict.fromkeys(["accumulate", "update", "update_norm", "update_adamw", "update_cast", "stall"], 0.0)
         self._grad_jobs: queue.Queue = queue.Queue()
         self._update_jobs: queue.Queue = queue.Queue()
-        caller_threads = torch.get_num_threads()
-        update_threads, gradient_threads = host_thread_split(caller_threads)
-        started = threading.Barrier(3)
+        # Both threads keep torch's thread count, the caller's: each gets an OpenMP team of that size. Splitting
+        # the cores between them measured slower on a 16-core host (benchmarks/RESULTS.md, issue 4).
         self._threads = [
-            threading.Thread(target=self._run, args=(self._grad_jobs, self._accumulate, gradient_threads, started),
-                             daemon=True, name="offload-gradients"),
-            threading.Thread(target=self._run, args=(self._update_jobs, self._update, update_threads, started),
-                             daemon=True, name="offload-update"),
+            threading.Thread(target=self._run, args=(self._grad_jobs, self._accumulate), daemon=True,
+                             name="offload-gradients"),
+            threading.Thread(target=self._run, args=(self._update_jobs, self._update), daemon=True,
+                             name="offload-update"),
         ]
         for thread in self._threads:
             thread.start()
-        started.wait()
-        # torch.set_num_threads also sets the default of threads that start later: give back the caller's
-        torch.set_num_threads(caller_threads)
         self._stop_threads = weakref.finalize(self, _stop_threads, (self._grad_jobs, self._update_jobs), self._threads)
 
         self._hooks = []
@@ -433,6 +426,8 @@ class OffloadedAdamW:
                 self._staging_free.clear()
                 self._backward_open = True
             grad = param.grad
+            if self.grad_clip > 0:
+                torch.linalg.vector_norm(grad, dtype=torch.float32, out=self._grad_norms[record.position])
             with self._download.after_current():
                 self._download.copy(record.staging, grad)
             if self._download.stream is not None:
@@ -445,6 +440,10 @@ class OffloadedAdamW:
                 self._passes_on_device += 1
                 return
             first = self._copied_passes == 0
+            if self.grad_clip > 0:
+                torch.linalg.vector_norm(self._grad_norms, out=self._grad_norm)  # as torch's get_total_norm
+                with self._download.after_current():
+                    self._download.copy(self._grad_norm_host, self._grad_norm)
             self._grad_jobs.put(("accumulate", self._download.record(), first, self._submitted % self._copies))
             self._copied_passes += 1
             self._passes_on_device = 0
@@ -452,9 +451,7 @@ class OffloadedAdamW:
 
     # --- the host side: two threads -----------------------------------------------------------------
 
-    def _run(self, jobs: queue.Queue, handle: Callable, threads: int, started: threading.Barrier) -> None:
-        torch.set_num_threads(threads)  # this thread's OpenMP team (see host_thread_split)
-        started.wait()
+    def _run(self, jobs: queue.Queue, handle: Callable) -> None:
         while True:
             job = jobs.get()
             try:
@@ -485,6 +482,8 @@ class OffloadedAdamW:
             self._accumulator_free[accumulator].wait()  # the update `delay` steps back is done reading it
         if event is not None:
             event.synchronize()
+        if self.grad_clip > 0:  # the device's norm is the step's only if this pass is the step's only one
+            self._step_grad_norms[accumulator] = self._grad_norm_host.clone() if first else None
         start = time.perf_counter()
         for record in self._params:
             if first:
@@ -500,8 +499,10 @@ class OffloadedAdamW:
         for record in self._params:
             record.master.grad = record.grads[accumulator]
         if self.grad_clip > 0:
-            clip_in_optimizers([unit.optimizer for unit in self._units], [r.master.grad for r in self._params],
-                               self.grad_clip)
+            norm = self._step_grad_norms[accumulator]
+            if norm is None:
+                norm = torch.nn.utils.get_total_norm([r.master.grad for r in self._params])
+            clip_in_optimizers([unit.optimizer for unit in self._units], norm, self.grad_clip)
         clipped = time.perf_counter()
         self.timings["update_norm"] += clipped - start
         slot = version % self._copies

@@ -210,7 +210,7 @@ class Trainer:
             total += loss.detach()
         if self.cfg.grad_clip > 0 and not self.offloaded:  # the offloaded optimizer clips on the host
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            clip_in_optimizers([self.optimizer], grads, self.cfg.grad_clip)
+            clip_in_optimizers([self.optimizer], torch.nn.utils.get_total_norm(grads), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
