@@ -11,10 +11,14 @@ import pytest
 import torch
 from torch import nn
 
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.data import load_corpus
 from tscale_p2p.errors import UserError
 from tscale_p2p.kernels import convert_linears, resolve_precision
 from tscale_p2p.kernels.linear import Fp8Linear, Int8Linear, QuantizedLinear
 from tscale_p2p.kernels.quantize import quantize_rows
+from tscale_p2p.model import ModelConfig
+from tscale_p2p.trainer import Trainer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {"fp8": 0.07, "fp8-e5m2": 0.14, "int8": 0.025}
@@ -215,3 +219,16 @@ def test_linear_at_model_size(kind):
     assert rel_err(y, y_ref) <= BOUND[kind]
     assert rel_err(dx, dx_ref) <= BOUND[kind]
     assert rel_err(dw, dw_ref) <= BOUND[kind]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_trainer_rounds_the_gradients_as_asked(corpus, rounding):
+    """`--grad-rounding` reaches every converted linear, and a step trains with it."""
+    cfg = TrainConfig(data=str(corpus), device="cuda", precision="fp8", grad_rounding=rounding, batch_size=4,
+                      compile=False)
+    trainer = Trainer(ModelConfig.from_dims("e64h2d2w32"), cfg, load_corpus(str(corpus)), torch.device("cuda"))
+    linears = [m for m in trainer.model.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.stochastic_grad == (rounding == "stochastic") for m in linears)
+    assert torch.isfinite(trainer.local_step().loss)

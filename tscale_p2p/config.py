@@ -22,6 +22,7 @@ else:  # pragma: no cover - Python 3.10
 PRECISIONS = ("auto", "fp32", "bf16", "fp8", "int8")
 OFFLOAD_MODES = ("none", "optimizer")
 ACCUMULATE_ON = ("device", "host")
+GRAD_ROUNDING = ("nearest", "stochastic")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "wsd")
 
@@ -40,6 +41,7 @@ class TrainConfig:
     mlp: str = field(default="relu2", metadata={"choices": MLP_KINDS, "help": "MLP kind: relu2 or swiglu"})
     dropout: float = field(default=0.0, metadata={"help": "residual dropout"})
     precision: str = field(default="auto", metadata={"choices": PRECISIONS, "help": "matmul precision: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp8, int8"})
+    grad_rounding: str = field(default="nearest", metadata={"choices": GRAD_ROUNDING, "help": "fp8/int8: how the gradients' casts round; stochastic (TScale's dithering) is unbiased, and measured no better on loss (benchmarks/RESULTS.md)"})
     device: str = field(default="auto", metadata={"choices": DEVICES, "help": "auto, cpu or cuda"})
     compile: bool = field(default=True, metadata={"help": "torch.compile the model on CUDA"})
     offload: str = field(default="none", metadata={"choices": OFFLOAD_MODES, "help": "none, or optimizer: fp32 master weights and AdamW state in host RAM, the CPU runs the optimizer, the GPU keeps only working (bf16) weights"})

@@ -119,7 +119,7 @@ class Trainer:
         if self.precision in ("fp8", "int8"):
             from tscale_p2p.kernels import convert_linears
 
-            convert_linears(self.model, self.precision)
+            convert_linears(self.model, self.precision, stochastic_grad=cfg.grad_rounding == "stochastic")
         self.optimizer = self._make_optimizer()
         if self.offloaded:
             self.model.to(device)  # the buffers: the offloaded optimizer has placed the parameters
