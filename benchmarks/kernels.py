@@ -24,7 +24,7 @@ import torch
 import triton
 
 from tscale_p2p.kernels.gemm import scaled_mm
-from tscale_p2p.kernels.quantize import TILE, quantize_cols_t, quantize_rows
+from tscale_p2p.kernels.quantize import TILE, quantize_cols_t, quantize_rows, quantize_with_transpose
 
 
 def bench_ms(fn) -> float:
@@ -94,6 +94,30 @@ def quantize_rows_table(tokens: int, width: int) -> list[dict]:
     return rows
 
 
+def weight_quantize_table(shapes: list[tuple[int, int]]) -> list[dict]:
+    """Both quantized layouts of an fp32 weight (what a linear layer rebuilds after each optimizer step): the row
+    kernel with the column amax then the transposed kernel, against the tiled two-pass version. GB/s counts
+    one read of the weight and the two one-byte copies written."""
+    rows = []
+    for shape in shapes:
+        w = torch.randn(shape, device="cuda")
+        y = torch.empty_like(w)
+        n = w.numel()
+        copy_gbs = 2 * 4 * n / bench_ms(lambda: y.copy_(w)) / 1e6
+
+        def two_kernels():
+            q, s, col_amax = quantize_rows(w, "e4m3", col_amax=True)
+            return q, s, *quantize_cols_t(w, "e4m3", col_amax=col_amax)
+
+        for name, fn in (("row kernel + transposed kernel", two_kernels),
+                         ("tiled two passes (quantize_with_transpose)", lambda: quantize_with_transpose(w, "e4m3"))):
+            ms = bench_ms(fn)
+            gbs = 6 * n / ms / 1e6
+            rows.append({"shape": f"{shape[0]}x{shape[1]}", "kernel": name, "ms": ms, "GB/s": gbs,
+                         "of_copy": gbs / copy_gbs})
+    return rows
+
+
 def print_gemm_table(problems: dict, sizes: list[int], m: int, cols: list[str]) -> list[dict]:
     """Print one row per (layer, matmul); return the rows."""
     print("\n## GEMM TFLOP/s (M = %d tokens)\n" % m)
@@ -149,9 +173,15 @@ def main() -> None:
     print("| kernel | GB/s | of copy bandwidth |\n| --- | --- | --- |")
     for r in quant:
         print(f"| {r['kernel']} | {r['GB/s']:.0f} | {r['of_copy']:.2f} |")
+    weights = weight_quantize_table([(2048, 8192), (8192, 2048), (6144, 2048)])
+    print("\n## A weight's two quantized layouts (fp32 weight, e4m3)\n")
+    print("| weight | kernels | ms | GB/s | of copy bandwidth |\n| --- | --- | --- | --- | --- |")
+    for r in weights:
+        print(f"| {r['shape']} | {r['kernel']} | {r['ms']:.3f} | {r['GB/s']:.0f} | {r['of_copy']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "gemm": table, "quantize": quant}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "gemm": table, "quantize": quant, "weights": weights},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -34,14 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tscale_p2p.kernels.gemm import scaled_mm
 from tscale_p2p.kernels.quantize import (FORMATS, QuantFormat, quantize_cols_t, quantize_rows, quantize_rows_torch,
-                                         transpose)
-
-
-def quantize_with_transpose(x: torch.Tensor, fmt: QuantFormat):
-    """(q, row scales, q^T, column scales) of a 2-D tensor (a weight): both layouts a linear layer needs."""
-    q, s, col_amax = quantize_rows(x, fmt, col_amax=True)
-    q_t, s_t = quantize_cols_t(x, fmt, col_amax=col_amax)
-    return q, s, q_t, s_t
+                                         quantize_with_transpose, transpose)
 
 
 _optimizer_steps = 0

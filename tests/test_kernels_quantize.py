@@ -28,6 +28,7 @@ from tscale_p2p.kernels.quantize import (
     quantize_reference,
     quantize_rows,
     quantize_rows_torch,
+    quantize_with_transpose,
     transpose,
 )
 
@@ -123,6 +124,22 @@ def test_quantize_cols_transposed_matches_reference(fmt, group):
         check_quantized_rows(x.T.contiguous(), q_t, s_t, fmt, group)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "int8"])
+def test_weight_quantization_gives_both_layouts_of_the_row_and_column_kernels(fmt):
+    """The tiled two-pass quantization of a weight: the very bytes and scales of the row and transposed kernels,
+    on shapes that are not multiples of its tiles, with an all-zero row and column."""
+    torch.manual_seed(7)
+    for M, K in [(130, 67), (1, 200), (64, 64)]:
+        x = torch.randn(M, K, device=DEVICE) * torch.rand(M, 1, device=DEVICE) * 10
+        x[M // 2] = 0
+        x[:, K // 3] = 0
+        q, s, q_t, s_t = quantize_with_transpose(x, fmt)
+        q_ref, s_ref, col_amax = quantize_rows(x, fmt, col_amax=True)
+        q_t_ref, s_t_ref = quantize_cols_t(x, fmt, col_amax=col_amax)
+        for out, ref in zip((q, s, q_t, s_t), (q_ref, s_ref, q_t_ref, s_t_ref)):
+            assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "int8"])
 def test_row_multiplier_scales_the_transposed_copy(fmt):
     """quantize_cols_t(x, row_mul=r) quantizes x * r[:, None]; its column amax comes from the row pass."""
@@ -198,6 +215,9 @@ def test_quantize_at_model_size(fmt):
         check_quantized_rows(x.float(), q, scale, fmt, group)
     q_t, s_t = quantize_cols_t(x, fmt, col_amax=col_amax)
     check_quantized_rows(x.float().T.contiguous(), q_t, s_t, fmt, None)
+    q, scale, _ = quantize_rows(x, fmt, col_amax=True)
+    both = quantize_with_transpose(x, fmt)  # the weights' path: the same bits as the two kernels above
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(both, (q, scale, q_t, s_t)))
 
 
 @gpu
