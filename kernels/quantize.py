@@ -89,6 +89,17 @@ def _scale_and_cast(x, scale, offsets, seed, QMAX: tl.constexpr, IS_INT: tl.cons
 
 
 @triton.jit
+def _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile (pid_m, pid_k) of x [M, K] in fp32 (zeros outside x), with its row and column indices and mask."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask,
+                other=0.0).to(tl.float32)
+    return x, rows, cols, mask
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, rowmul_ptr, M, K, stride_xm, stride_xk, stride_qm,
                           stride_sm, seed, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                           MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr, EMULATE_CAST: tl.constexpr,
@@ -128,11 +139,7 @@ def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, rowmul_ptr, M, K, s
                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask,
-                other=0.0).to(tl.float32)
+    x, rows, cols, mask = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
     if ROW_MUL:
         x = x * tl.load(rowmul_ptr + rows, mask=rows < M, other=0.0)[:, None]
     if TILE_SCALES:
@@ -157,11 +164,8 @@ def _abs_max_partials_kernel(x_ptr, rowmax_ptr, colmax_ptr, M, K, stride_xm, str
     """Each program's tile: its rows' amax into rowmax[pid_k, :], its columns' into colmax[pid_m, :]."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    ax = tl.abs(tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask,
-                        other=0.0).to(tl.float32))
+    x, rows, cols, _ = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
+    ax = tl.abs(x)
     tl.store(rowmax_ptr + pid_k.to(tl.int64) * M + rows, tl.max(ax, axis=1), mask=rows < M)
     tl.store(colmax_ptr + pid_m.to(tl.int64) * K + cols, tl.max(ax, axis=0), mask=cols < K)
 
@@ -173,11 +177,7 @@ def _quantize_both_kernel(x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, M, K, stride_xm, 
     """One read of a tile, two casts: x / row scale into q [M, K], x / column scale into q^T [K, M]."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask,
-                other=0.0).to(tl.float32)
+    x, rows, cols, mask = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
     row_scale = tl.load(s_ptr + rows, mask=rows < M, other=1.0)
     col_scale = tl.load(st_ptr + cols, mask=cols < K, other=1.0)
     q = _scale_and_cast(x, row_scale[:, None], 0, 0, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, False,
