@@ -127,26 +127,62 @@ def time_cpu_adamw(numel: int) -> dict[str, float]:
     return rates
 
 
+def stale_gradient_loss(trainer, predict: bool) -> float:
+    """Plain training (no offload) with every gradient taken one step late, the reference for delay 1: the
+    forward and backward of step s run on the weights before the previous update (with `predict`, on those
+    weights moved on by that update: w + (w - w_previous)), the optimizer steps the current weights."""
+    from tscale_p2p.clipping import clip_in_optimizers
+
+    params = list(trainer.model.parameters())
+    previous = [p.detach().clone() for p in params]
+    before_previous = [w.clone() for w in previous]
+    for _ in range(trainer.cfg.steps):
+        current = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, w, older in zip(params, previous, before_previous):
+                p.copy_(2 * w - older if predict else w)
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = trainer.lr_at(trainer.step)
+        x, y = next(trainer.train_batches)
+        trainer._loss(x, y).backward()
+        with torch.no_grad():
+            for p, w in zip(params, current):
+                p.copy_(w)
+        clip_in_optimizers([trainer.optimizer], torch.nn.utils.get_total_norm([p.grad for p in params]),
+                           trainer.cfg.grad_clip)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.step += 1
+        before_previous, previous = previous, current
+    return trainer.evaluate().loss
+
+
 def delay_effect(data: str, device: str, model: str, steps: int, batch: int, lrs: list[float]) -> None:
-    """Val loss after `steps` steps with the update applied at once (delay 0) and one step late (delay 1)."""
+    """Val loss after `steps` steps with the update applied at once (delay 0) and one step late (delay 1), and
+    of plain training with one-step-stale gradients, without and with the weights predicted."""
     from tscale_p2p.config import TrainConfig
     from tscale_p2p.data import load_corpus
     from tscale_p2p.model import ModelConfig
     from tscale_p2p.trainer import Trainer
 
     corpus = load_corpus(data)
-    print(f"{'lr':>8} {'delay 0':>8} {'delay 1':>8}   ({model}, {steps} steps of {batch} sequences, {data})")
+    print(f"{'lr':>8} {'delay 0':>8} {'delay 1':>8} {'stale':>8} {'stale, predicted':>16}   "
+          f"({model}, {steps} steps of {batch} sequences, {data})")
     for lr in lrs:
+        def trainer(offload: str, delay: int) -> Trainer:
+            cfg = TrainConfig(data=data, device=device, model=model, batch_size=batch, lr=lr, warmup=10,
+                              steps=steps, offload=offload, offload_delay=delay, eval_batches=20)
+            return Trainer(ModelConfig.from_dims(model), cfg, corpus, torch.device(device))
+
         losses = []
         for delay in (0, 1):
-            cfg = TrainConfig(data=data, device=device, model=model, batch_size=batch, lr=lr, warmup=10,
-                              steps=steps, offload="optimizer", offload_delay=delay, eval_batches=20)
-            trainer = Trainer(ModelConfig.from_dims(model), cfg, corpus, torch.device(device))
+            offloaded = trainer("optimizer", delay)
             for _ in range(steps):
-                trainer.local_step()
-            losses.append(trainer.evaluate().loss)
-            trainer.optimizer.close()
-        print(f"{lr:8.0e} {losses[0]:8.4f} {losses[1]:8.4f}", flush=True)
+                offloaded.local_step()
+            losses.append(offloaded.evaluate().loss)
+            offloaded.optimizer.close()
+        losses += [stale_gradient_loss(trainer("none", 0), predict) for predict in (False, True)]
+        print(f"{lr:8.0e} {losses[0]:8.4f} {losses[1]:8.4f} {losses[2]:8.4f} {losses[3]:16.4f}", flush=True)
 
 
 def names(sizes: str) -> list[str]:
