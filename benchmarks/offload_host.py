@@ -87,11 +87,23 @@ def run(state, optimizer, accumulator, split: tuple[int, int] | None, together: 
     return results
 
 
+def thread_split(text: str) -> tuple[int, int]:
+    """'12,3' -> (12, 3): two positive thread counts."""
+    try:
+        update, gradient = (int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected UPDATE,GRADIENT thread counts such as 12,3, got {text!r}")
+    if update < 1 or gradient < 1:
+        raise argparse.ArgumentTypeError(f"thread counts must be at least 1, got {text!r}")
+    return update, gradient
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=200e6)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--split", help="also time the jobs with UPDATE,GRADIENT threads each, e.g. 12,3")
+    parser.add_argument("--split", type=thread_split, help="also time the jobs with UPDATE,GRADIENT threads each, "
+                        "e.g. 12,3")
     args = parser.parse_args()
     params, cores = int(args.params), os.cpu_count()
     state = buffers(params)
@@ -102,8 +114,7 @@ def main() -> None:
     update_job(state, optimizer)  # allocate the moments
     policies = [("default", None)]
     if args.split:
-        split = tuple(int(n) for n in args.split.split(","))
-        policies.append((f"split {split[0]}/{split[1]}", split))
+        policies.append((f"split {args.split[0]}/{args.split[1]}", args.split))
     print(f"{params / 1e6:.0f}M parameters, {cores} cores, torch {torch.__version__}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     print(f"| threads | jobs | update s | accumulate s | update vs alone, default |")
