@@ -131,29 +131,22 @@ def stale_gradient_loss(trainer, predict: bool) -> float:
     """Plain training (no offload) with every gradient taken one step late, the reference for delay 1: the
     forward and backward of step s run on the weights before the previous update (with `predict`, on those
     weights moved on by that update: w + (w - w_previous)), the optimizer steps the current weights."""
-    from tscale_p2p.clipping import clip_in_optimizers
-
     params = list(trainer.model.parameters())
+    current: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def load(weights) -> None:
+        for p, w in zip(params, weights):
+            p.copy_(w)
+
+    trainer.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: load(current))
     previous = [p.detach().clone() for p in params]
-    before_previous = [w.clone() for w in previous]
+    before_previous = previous
     for _ in range(trainer.cfg.steps):
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, w, older in zip(params, previous, before_previous):
-                p.copy_(2 * w - older if predict else w)
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = trainer.lr_at(trainer.step)
-        x, y = next(trainer.train_batches)
-        trainer._loss(x, y).backward()
-        with torch.no_grad():
-            for p, w in zip(params, current):
-                p.copy_(w)
-        clip_in_optimizers([trainer.optimizer], torch.nn.utils.get_total_norm([p.grad for p in params]),
-                           trainer.cfg.grad_clip)
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.step += 1
-        before_previous, previous = previous, current
+        current[:] = [p.detach().clone() for p in params]
+        load([2 * w - older for w, older in zip(previous, before_previous)] if predict else previous)
+        trainer.local_step()
+        before_previous, previous = previous, list(current)
     return trainer.evaluate().loss
 
 
