@@ -23,7 +23,7 @@ import sys
 import torch
 import triton
 
-from tscale_p2p.kernels.gemm import scaled_mm
+from tscale_p2p.kernels.gemm import _scaled_mm_tma_kernel, scaled_mm
 from tscale_p2p.kernels.quantize import TILE, quantize_cols_t, quantize_rows, quantize_with_transpose
 
 
@@ -168,6 +168,10 @@ def main() -> None:
     if args.impl == "auto":
         cols.insert(2, "ours_fp8_tile128")
     table = [] if args.no_gemm else print_gemm_table(problems, sizes, m, cols)
+    if problems:
+        print("\n## Configs the autotuner chose for the TMA kernel (M, N, K, ..., dtypes)\n")
+        for key, config in _scaled_mm_tma_kernel.cache.items():
+            print(f"- {key}: {config}")
     quant = quantize_rows_table(m, max(sizes))
     print(f"\n## Quantize, {m} x {max(sizes)} bf16 input\n")
     print("| kernel | GB/s | of copy bandwidth |\n| --- | --- | --- |")

@@ -159,33 +159,42 @@ def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, rowmul_ptr, M, K, s
 
 
 @triton.jit
-def _abs_max_partials_kernel(x_ptr, rowmax_ptr, colmax_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
-    """Each program's tile: its rows' amax into rowmax[pid_k, :], its columns' into colmax[pid_m, :]."""
+def _abs_max_kernel(x_ptr, row_amax_ptr, col_amax_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """Each program's tile raises row_amax[rows] and col_amax[cols] (zero-initialised) to its own maxima."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     x, rows, cols, _ = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
     ax = tl.abs(x)
-    tl.store(rowmax_ptr + pid_k.to(tl.int64) * M + rows, tl.max(ax, axis=1), mask=rows < M)
-    tl.store(colmax_ptr + pid_m.to(tl.int64) * K + cols, tl.max(ax, axis=0), mask=cols < K)
+    # A max is the same in any order, so the atomics keep the result deterministic.
+    tl.atomic_max(row_amax_ptr + rows, tl.max(ax, axis=1), mask=rows < M)
+    tl.atomic_max(col_amax_ptr + cols, tl.max(ax, axis=0), mask=cols < K)
 
 
 @triton.jit
-def _quantize_both_kernel(x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, M, K, stride_xm, stride_xk, QMAX: tl.constexpr,
-                          IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
-                          EMULATE_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One read of a tile, two casts: x / row scale into q [M, K], x / column scale into q^T [K, M]."""
+def _quantize_both_kernel(x_ptr, q_ptr, qt_ptr, row_amax_ptr, col_amax_ptr, s_ptr, st_ptr, M, K, stride_xm,
+                          stride_xk, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                          MIN_NORMAL_EXP: tl.constexpr, EMULATE_CAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """One read of a tile, two casts: x / row scale into q [M, K], x / column scale into q^T [K, M]; the first
+    column of programs writes the row scales, the first row of programs the column scales."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     x, rows, cols, mask = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
-    row_scale = tl.load(s_ptr + rows, mask=rows < M, other=1.0)
-    col_scale = tl.load(st_ptr + cols, mask=cols < K, other=1.0)
+    row_amax = tl.load(row_amax_ptr + rows, mask=rows < M, other=0.0)
+    col_amax = tl.load(col_amax_ptr + cols, mask=cols < K, other=0.0)
+    row_scale = tl.where(row_amax > 0, row_amax / QMAX, 1.0)
+    col_scale = tl.where(col_amax > 0, col_amax / QMAX, 1.0)
     q = _scale_and_cast(x, row_scale[:, None], 0, 0, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, False,
                         EMULATE_CAST, q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
     q_t = _scale_and_cast(x, col_scale[None, :], 0, 0, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, False,
                           EMULATE_CAST, qt_ptr.dtype.element_ty)
     tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q_t, mask=mask)
+    if pid_k == 0:
+        tl.store(s_ptr + rows, row_scale, mask=rows < M)
+    if pid_m == 0:
+        tl.store(st_ptr + cols, col_scale, mask=cols < K)
 
 
 @triton.jit
@@ -284,27 +293,25 @@ def quantize_with_transpose(x: torch.Tensor, fmt: str | QuantFormat = "e4m3"):
     """(q, row scales, q^T, column scales) of a 2-D tensor, both layouts a linear layer needs of its weight:
     the same values as `quantize_rows(x, fmt)` and `quantize_cols_t(x, fmt, col_amax=...)`.
 
-    Two passes over x on 2-D tiles, both at memory speed: the tiles' row and column maxima, then both casts
-    from one read. (The row kernel with the column amax reads one long row per loop iteration, and with the
-    transposed cast after it x is read twice at a fifth of copy bandwidth: ~0.8 TB/s on an H200.)
+    Two passes over x on 2-D tiles, both at memory speed: the row and column maxima (atomic max per tile), then
+    both casts from one read, three launches in all. (The row kernel with the column amax reads one long row per
+    loop iteration, and with the transposed cast after it x is read twice at a fifth of copy bandwidth.)
     """
     f = _format(fmt)
     M, K = x.shape
     block_m, block_k = 64, 64
     grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-    row_partial = torch.empty((grid[1], M), dtype=torch.float32, device=x.device)
-    col_partial = torch.empty((grid[0], K), dtype=torch.float32, device=x.device)
-    _abs_max_partials_kernel[grid](x, row_partial, col_partial, M, K, x.stride(0), x.stride(1), BLOCK_M=block_m,
-                                   BLOCK_K=block_k, num_warps=4)
-    row_amax, col_amax = row_partial.amax(dim=0), col_partial.amax(dim=0)
-    scale = torch.where(row_amax > 0, row_amax / f.max_value, 1.0)
-    scale_t = torch.where(col_amax > 0, col_amax / f.max_value, 1.0)
+    amax = torch.zeros(M + K, dtype=torch.float32, device=x.device)
+    scales = torch.empty(M + K, dtype=torch.float32, device=x.device)
+    _abs_max_kernel[grid](x, amax, amax[M:], M, K, x.stride(0), x.stride(1), BLOCK_M=block_m, BLOCK_K=block_k,
+                          num_warps=4)
     q = torch.empty((M, K), dtype=f.dtype, device=x.device)
     q_t = torch.empty((K, M), dtype=f.dtype, device=x.device)
-    _quantize_both_kernel[grid](x, q, q_t, scale, scale_t, M, K, x.stride(0), x.stride(1), QMAX=f.max_value,
-                                IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits, MIN_NORMAL_EXP=f.min_normal_exp,
-                                EMULATE_CAST=_emulate_cast(), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
-    return q, scale, q_t, scale_t
+    _quantize_both_kernel[grid](x, q, q_t, amax, amax[M:], scales, scales[M:], M, K, x.stride(0), x.stride(1),
+                                QMAX=f.max_value, IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits,
+                                MIN_NORMAL_EXP=f.min_normal_exp, EMULATE_CAST=_emulate_cast(), BLOCK_M=block_m,
+                                BLOCK_K=block_k, num_warps=4)
+    return q, scales[:M], q_t, scales[M:]
 
 
 def transpose(q: torch.Tensor) -> torch.Tensor:
@@ -314,7 +321,7 @@ def transpose(q: torch.Tensor) -> torch.Tensor:
     if q.stride(1) != 1:
         raise ValueError("transpose needs a unit inner stride")
     out = torch.empty((K, M), dtype=q.dtype, device=q.device)
-    block_m, block_k = 64, 64
+    block_m, block_k = 64, 128  # 0.92-0.95 of copy bandwidth on an H200 (64 x 64: 0.81-0.85)
     _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(K, block_k))](
         q, out, M, K, q.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
     return out
