@@ -58,8 +58,10 @@ BITS_PER_PARAM_EACH_WAY = 1 + 16 / 256  # 1-bit signs + a bf16 scale per 256 val
 
 
 def settings(args, batch_size: int, seed: int = 0) -> TrainConfig:
+    # With --from-step the compared steps continue one learning-rate schedule that began at step 0.
     return TrainConfig(
-        data=args.data, model=args.model, device=args.device, steps=args.steps, batch_size=batch_size, lr=args.lr,
+        data=args.data, model=args.model, device=args.device, steps=args.from_step + args.steps,
+        batch_size=batch_size, lr=args.lr,
         warmup=args.warmup, eval_batches=args.eval_batches, eval_every=0, save_every=0, seed=seed, compile=False,
     )
 
@@ -75,7 +77,22 @@ def trainer_for(args, batch_size: int, seed: int) -> Trainer:
     device = torch.device(args.device)
     trainer = Trainer(run.model_config, settings(args, batch_size, seed), load_corpus(args.data), device)
     trainer.apply_outer_update(initial_weights(run))
+    if args.start_state:  # a run in progress: its weights, AdamW moments and place in the schedule
+        state = torch.load(args.start_state, weights_only=True)
+        trainer.apply_outer_update(state["weights"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.step = args.from_step
     return trainer
+
+
+def pretrain(args, path: Path) -> None:
+    """--from-step: one process on the combined batch trains the first steps; every row starts from its state."""
+    trainer = trainer_for(args, args.peers * args.batch_size, seed=0)
+    for _ in range(args.from_step):
+        trainer.local_step()
+    torch.save({"weights": trainer.snapshot(), "optimizer": trainer.optimizer.state_dict()}, path)
+    print(f"start state after {args.from_step} steps of one process: val loss {trainer.evaluate().loss:.4f}",
+          flush=True)
 
 
 def val_loss(args, weights: dict[str, torch.Tensor]) -> float:
@@ -271,14 +288,32 @@ def main() -> None:
                         help=f"the --apply-after rows' averaging, comma-separated: {', '.join(APPLY_AFTER_TRIPS)}")
     parser.add_argument("--apply-after-lrs", default="", help="comma-separated outer lrs of the --apply-after rows "
                         "(default: --outer-lr)")
+    parser.add_argument("--from-step", type=int, default=0, metavar="N",
+                        help="in-process rows only: compare the --steps that follow N steps of one process on the "
+                             "combined batch (a run in progress, as a swarm is after its first rounds), all rows "
+                             "starting from its weights and AdamW state")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
+    if args.from_step < 0:
+        parser.error(f"--from-step must be >= 0, got {args.from_step}")
+    if args.from_step and not args.skip_swarm:
+        parser.error("--from-step compares in-process rows only: add --skip-swarm")
     torch.set_num_threads(1)
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        args.start_state = None
+        if args.from_step:
+            args.start_state = str(Path(scratch) / "start.pt")
+            pretrain(argparse.Namespace(**{**vars(args), "start_state": None}), Path(args.start_state))
+        compare(args, out, started)
+
+
+def compare(args, out: Path | None, started: float) -> None:
+    """Train every row (in worker processes; the swarm's peers as processes of their own) and print the table."""
     late_lrs = sorted({args.outer_lr, *(float(x) for x in args.tune_outer_lrs.split(",") if x)})
     jobs = [] if args.skip_diloco else [
         *((f"DiLoCo, exact mean, one round late, outer lr {lr} (one process)", "one round late:exact", lr)
@@ -314,7 +349,9 @@ def main() -> None:
     reference = rows[-1][1]
     lines = [
         f"model {args.model} on {args.device}, {args.peers} peers x {args.steps} steps x batch {args.batch_size}, "
-        f"H={args.inner_steps}, inner lr {args.lr} (warm-up {args.warmup}, cosine), swarm outer lr {args.outer_lr} "
+        f"H={args.inner_steps}, inner lr {args.lr} (warm-up {args.warmup}, cosine"
+        f"{f' over {args.from_step + args.steps} steps, rows from step {args.from_step}' if args.from_step else ''}), "
+        f"swarm outer lr {args.outer_lr} "
         f"momentum {args.outer_momentum}, matchmaking {args.matchmaking_time} s; {time.perf_counter() - started:.0f} s",
         "| run | val loss | gap to one process | tokens | notes |",
         "| --- | --- | --- | --- | --- |",
