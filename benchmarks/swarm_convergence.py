@@ -19,7 +19,7 @@ Three ways to spend the same tokens on the same transformer, each peer drawing i
 Reported: validation loss (nats/token, the trainer's fixed eval windows) and the gap to the last row, plus
 the traffic ratio against a per-step bf16 gradient all-reduce. The in-process rows run in their own
 processes while the swarm trains (on the same device); `--tune-outer-lrs` adds one-round-late DiLoCo rows
-at other outer learning rates. With `--out`, peer logs and the table are kept there.
+at other outer learning rates; `--from-step N` starts the in-process rows from a run N steps in. With `--out`, peer logs and the table are kept there.
 """
 
 from __future__ import annotations
@@ -307,8 +307,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         args.start_state = None
         if args.from_step:
-            args.start_state = str(Path(scratch) / "start.pt")
-            pretrain(argparse.Namespace(**{**vars(args), "start_state": None}), Path(args.start_state))
+            start = Path(scratch) / "start.pt"
+            pretrain(args, start)
+            args.start_state = str(start)
         compare(args, out, started)
 
 
