@@ -141,7 +141,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str = "exact
     """In-process DiLoCo rounds; each round's average is applied `delay` steps into the next round (0:
     synchronous; H: one round late); `averaging`: see TRIPS."""
     up, down = TRIPS[averaging]
-    args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr})
+    args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr, "lr": args.peer_lr or args.lr})
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
     outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum) for t in peers]  # identical copies
     rounds = [DelayedOuterStep(outer) for outer in outers]
@@ -267,6 +267,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per peer")
     parser.add_argument("--inner-steps", type=int, default=25)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--peer-lr", type=float, help="the in-process DiLoCo rows' inner peak lr (default: --lr), "
+                        "for peers whose batch is --peers times smaller than the one process's")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--outer-lr", type=float, default=DEFAULT_OUTER_LR, help="(default: join's)")
     parser.add_argument("--outer-momentum", type=float, default=DEFAULT_OUTER_MOMENTUM, help="(default: join's)")
@@ -296,6 +298,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_step < 0:
         parser.error(f"--from-step must be >= 0, got {args.from_step}")
+    if args.peer_lr is not None and args.peer_lr <= 0:
+        parser.error(f"--peer-lr must be > 0, got {args.peer_lr}")
     if args.from_step and not args.skip_swarm:
         parser.error("--from-step compares in-process rows only: add --skip-swarm")
     torch.set_num_threads(1)
@@ -350,7 +354,8 @@ def compare(args, out: Path | None, started: float) -> None:
     reference = rows[-1][1]
     lines = [
         f"model {args.model} on {args.device}, {args.peers} peers x {args.steps} steps x batch {args.batch_size}, "
-        f"H={args.inner_steps}, inner lr {args.lr} (warm-up {args.warmup}, cosine"
+        f"H={args.inner_steps}, inner lr {args.lr}{f' (in-process peers {args.peer_lr})' if args.peer_lr else ''} "
+        f"(warm-up {args.warmup}, cosine"
         f"{f' over {args.from_step + args.steps} steps, rows from step {args.from_step}' if args.from_step else ''}), "
         f"swarm outer lr {args.outer_lr} "
         f"momentum {args.outer_momentum}, matchmaking {args.matchmaking_time} s; {time.perf_counter() - started:.0f} s",
