@@ -10,6 +10,8 @@ layout the tensor cores want):
   transposed copy below.
 * `quantize_cols_t(x)`: q is x transposed, [K, M]; one scale per column of x (from the column amax of a
   previous `quantize_rows` pass), or one per column and 128-row tile (`group=128`, computed in this pass).
+* `quantize_with_transpose(x)`: both of the above with one scale per row and per column (a weight's two
+  layouts), from two passes over 2-D tiles instead of the row pass and the transposed pass.
 
 Stochastic rounding (for gradients) adds uniform noise below the target precision before truncating, so the
 rounding is unbiased in expectation (TScale dithers its gradient quantization for the same reason).
