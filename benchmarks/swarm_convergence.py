@@ -137,11 +137,11 @@ APPLY_AFTER_TRIPS = {
 }
 
 
-def diloco_in_process(args, delay: int, outer_lr: float, averaging: str = "exact") -> tuple[float, int]:
+def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr: float) -> tuple[float, int]:
     """In-process DiLoCo rounds; each round's average is applied `delay` steps into the next round (0:
-    synchronous; H: one round late); `averaging`: see TRIPS."""
+    synchronous; H: one round late); `averaging`: see TRIPS; `peer_lr`: the peers' inner peak lr."""
     up, down = TRIPS[averaging]
-    args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr, "lr": args.peer_lr or args.lr})
+    args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr, "lr": peer_lr})
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
     outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum) for t in peers]  # identical copies
     rounds = [DelayedOuterStep(outer) for outer in outers]
@@ -238,13 +238,13 @@ def _tokens(log: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-def baseline(kind: str, args, outer_lr: float) -> tuple[float, int]:
+def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, int]:
     """One in-process row (runs in a worker process)."""
     torch.set_num_threads(1)
     if kind == "one process":
         return one_process(args)
     timing, averaging = kind.split(":")
-    return diloco_in_process(args, delay_steps(timing, args.inner_steps), outer_lr=outer_lr, averaging=averaging)
+    return diloco_in_process(args, delay_steps(timing, args.inner_steps), outer_lr, averaging, peer_lr)
 
 
 def delay_steps(timing: str, inner_steps: int) -> int:
@@ -267,7 +267,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per peer")
     parser.add_argument("--inner-steps", type=int, default=25)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--peer-lr", type=float, help="the in-process DiLoCo rows' inner peak lr (default: --lr), "
+    parser.add_argument("--peer-lr", help="the in-process DiLoCo rows' inner peak lr (default: --lr); several, "
+                        "comma-separated, repeat every DiLoCo row for each; "
                         "for peers whose batch is --peers times smaller than the one process's")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--outer-lr", type=float, default=DEFAULT_OUTER_LR, help="(default: join's)")
@@ -298,7 +299,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_step < 0:
         parser.error(f"--from-step must be >= 0, got {args.from_step}")
-    if args.peer_lr is not None and args.peer_lr <= 0:
+    try:
+        args.peer_lrs = [float(x) for x in args.peer_lr.split(",")] if args.peer_lr else [args.lr]
+    except ValueError:
+        parser.error(f"--peer-lr takes comma-separated numbers, got {args.peer_lr!r}")
+    if any(not lr > 0 for lr in args.peer_lrs):  # also refuses nan
         parser.error(f"--peer-lr must be > 0, got {args.peer_lr}")
     if args.from_step and not args.skip_swarm:
         parser.error("--from-step compares in-process rows only: add --skip-swarm")
@@ -337,11 +342,15 @@ def compare(args, out: Path | None, started: float) -> None:
         name, timing, averaging = VARIANTS[key]
         jobs.append((f"DiLoCo, {name}, {timing}, outer lr {args.outer_lr} (one process)", f"{timing}:{averaging}",
                      args.outer_lr))
-    jobs.append((f"one process, batch {args.peers * args.batch_size}, every step", "one process", 0.0))
+    if args.peer_lr:  # every DiLoCo row once per peers' lr
+        jobs = [(f"{name}, peers' lr {peer_lr}", kind, lr, peer_lr) for name, kind, lr in jobs for peer_lr in args.peer_lrs]
+    else:
+        jobs = [(name, kind, lr, args.lr) for name, kind, lr in jobs]
+    jobs.append((f"one process, batch {args.peers * args.batch_size}, every step", "one process", 0.0, args.lr))
     rows = []
     # The in-process rows train in worker processes while the swarm runs (spawn: CUDA cannot be forked).
     with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [(name, pool.submit(baseline, kind, args, lr)) for name, kind, lr in jobs]
+        futures = [(name, pool.submit(baseline, kind, args, lr, peer_lr)) for name, kind, lr, peer_lr in jobs]
         for name, future in futures:  # each row as soon as it is known, in case the swarm never ends
             future.add_done_callback(lambda f, name=name: print(f"{name}: {f.result()[0]:.4f}", flush=True))
         if not args.skip_swarm:
