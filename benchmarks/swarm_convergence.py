@@ -19,7 +19,9 @@ Three ways to spend the same tokens on the same transformer, each peer drawing i
 Reported: validation loss (nats/token, the trainer's fixed eval windows) and the gap to the last row, plus
 the traffic ratio against a per-step bf16 gradient all-reduce. The in-process rows run in their own
 processes while the swarm trains (on the same device); `--tune-outer-lrs` adds one-round-late DiLoCo rows
-at other outer learning rates; `--from-step N` starts the in-process rows from a run N steps in. With `--out`, peer logs and the table are kept there.
+at other outer learning rates; `--from-step N` starts every row (the swarm's peers too, by `join
+--init-from`) from a run N steps in; `--peer-lr` sets the peers' inner lr (the swarm takes the first). With
+`--out`, peer logs and the table are kept there.
 """
 
 from __future__ import annotations
@@ -78,21 +80,20 @@ def trainer_for(args, batch_size: int, seed: int) -> Trainer:
     trainer = Trainer(run.model_config, settings(args, batch_size, seed), load_corpus(args.data), device)
     trainer.apply_outer_update(initial_weights(run))
     if args.start_state:  # a run in progress: its weights, AdamW moments and place in the schedule
-        state = torch.load(args.start_state, weights_only=True)
-        trainer.apply_outer_update(state["weights"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        trainer.step = args.from_step
+        trainer.start_from(resume_from(args.start_state))
     return trainer
 
 
-def pretrain(args, path: Path) -> None:
-    """--from-step: one process on the combined batch trains the first steps; every row starts from its state."""
+def pretrain(args, out: Path) -> Path:
+    """--from-step: one process on the combined batch trains the first steps; every row (and every swarm peer,
+    through `join --init-from`) starts from the checkpoint it writes, whose path is returned."""
     trainer = trainer_for(args, args.peers * args.batch_size, seed=0)
     for _ in range(args.from_step):
         trainer.local_step()
-    torch.save({"weights": trainer.snapshot(), "optimizer": trainer.optimizer.state_dict()}, path)
+    path = trainer.save(out)
     print(f"start state after {args.from_step} steps of one process: val loss {trainer.evaluate().loss:.4f}",
           flush=True)
+    return path
 
 
 def val_loss(args, weights: dict[str, torch.Tensor]) -> float:
@@ -180,7 +181,8 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], b
         "--max-steps", str(args.steps),
         "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time", str(args.matchmaking_time),
         "--averaging-timeout", "30", "--eval-every", "0", "--save-every", "0", "--log-every", "50", "--run-id", "bench",
-        "--model", args.model, "--steps", str(args.steps), "--lr", str(args.lr), "--warmup", str(args.warmup),
+        "--model", args.model, "--steps", str(args.from_step + args.steps), "--lr", str(args.peer_lrs[0]),
+        "--warmup", str(args.warmup), *(["--init-from", args.start_state] if args.start_state else []),
         "--inner-steps", str(args.inner_steps), "--outer-lr", str(args.outer_lr),
         "--outer-momentum", str(args.outer_momentum), "--eval-batches", str(args.eval_batches),
         "--min-peers", str(args.peers), *(["--error-feedback"] if args.error_feedback else []),
@@ -292,9 +294,9 @@ def main() -> None:
     parser.add_argument("--apply-after-lrs", default="", help="comma-separated outer lrs of the --apply-after rows "
                         "(default: --outer-lr)")
     parser.add_argument("--from-step", type=int, default=0, metavar="N",
-                        help="in-process rows only: compare the --steps that follow N steps of one process on the "
-                             "combined batch (a run in progress, as a swarm is after its first rounds), all rows "
-                             "starting from its weights and AdamW state")
+                        help="compare the --steps that follow N steps of one process on the combined batch (a run "
+                             "in progress, as a swarm is after its first rounds), every row and swarm peer "
+                             "starting from its weights, AdamW state and place in the schedule")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     if args.from_step < 0:
@@ -305,8 +307,6 @@ def main() -> None:
         parser.error(f"--peer-lr takes comma-separated numbers, got {args.peer_lr!r}")
     if any(not lr > 0 for lr in args.peer_lrs):  # also refuses nan
         parser.error(f"--peer-lr must be > 0, got {args.peer_lr}")
-    if args.from_step and not args.skip_swarm:
-        parser.error("--from-step compares in-process rows only: add --skip-swarm")
     torch.set_num_threads(1)
     out = Path(args.out) if args.out else None
     if out:
@@ -316,9 +316,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         args.start_state = None
         if args.from_step:
-            start = Path(scratch) / "start.pt"
-            pretrain(args, start)
-            args.start_state = str(start)
+            args.start_state = str(pretrain(args, Path(scratch) / "start"))
         compare(args, out, started)
 
 

@@ -48,6 +48,10 @@ def add_join_parser(commands) -> None:
     swarm.add_argument("--outer-lr", type=float, metavar="LR", help="outer Nesterov SGD learning rate (new run; 1.0)")
     swarm.add_argument("--outer-momentum", type=float, metavar="M", help="outer Nesterov momentum (new run; 0.7)")
     swarm.add_argument("--max-steps", type=int, metavar="N", help="stop after N local steps (for scripts)")
+    swarm.add_argument("--init-from", metavar="CHECKPOINT",
+                       help="start from a checkpoint of another run (e.g. `tscale-peer train`'s step-* folder, or "
+                       "its --out for the newest): its weights, optimizer state and step; a new run takes its "
+                       "model. Ignored when --out already holds this peer's own checkpoint")
     swarm.add_argument("--min-peers", type=int, default=1, metavar="N",
                        help="wait until N peers (this one included) are online before training (for scripts)")
     swarm.add_argument("--matchmaking-time", type=float, default=5.0, metavar="S",
@@ -138,6 +142,7 @@ def join_inputs(args: argparse.Namespace):
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
         error_feedback=args.error_feedback,
+        init_from=args.init_from,
     )
     return cfg, explicit, options
 

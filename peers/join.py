@@ -6,8 +6,9 @@ Order of a join, and why:
    sampling, so volunteers train on different windows.
 2. Fetch the run config under ``{run_id}_config``, refuse contradicting flags, adopt it; a peer that
    finds none starts the run and publishes its own.
-3. Build the trainer (resuming from a local checkpoint when there is one) with the run's initial weights,
-   start the averager, and download the current shared weights and outer momentum from a live peer.
+3. Build the trainer (resuming from a local checkpoint when there is one) with the run's initial weights, or
+   the --init-from checkpoint's weights, optimizer state and step; start the averager, and download the current
+   shared weights and outer momentum from a live peer.
 4. Run `SwarmPeer` until --max-steps, the run's last step, Ctrl+C/SIGTERM, or the dashboard asks to stop;
    then save a checkpoint and leave (exit 0). A second Ctrl+C leaves at once (exit 130).
 """
@@ -29,11 +30,11 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from tscale_p2p.checkpoint import find_latest
+from tscale_p2p.checkpoint import Checkpoint, find_latest, resume_from
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.errors import UserError
-from tscale_p2p.model import Transformer
+from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.metrics import SwarmMetrics
 from tscale_p2p.peers.network import NetworkOptions, start_dht
@@ -79,6 +80,7 @@ class JoinOptions:
     averaging_timeout: float = 30.0
     # keep what a 1-bit message could not carry and send it next round; off: at H=100-200 it cost 2.5-4% val loss
     error_feedback: bool = False
+    init_from: str | None = None  # a checkpoint to start from instead of the run's initial weights
     publish_every_s: float = 5.0
 
 
@@ -104,6 +106,7 @@ def join(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalSt
 
 
 def _join_until_stopped(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus) -> int:
+    start = starting_checkpoint(cfg, options)  # verified before going online: a bad one costs no DHT start
     with GracefulStop() as stop:
         _leave_at_once_on_second_ctrl_c(stop)
         should_stop = lambda: stop.requested or status.stop_requested.is_set()  # noqa: E731
@@ -111,29 +114,49 @@ def _join_until_stopped(cfg: TrainConfig, explicit: dict, options: JoinOptions, 
         if dht is None:
             return 0
         try:
-            return _join_swarm(dht, cfg, explicit, options, status, should_stop)
+            return _join_swarm(dht, cfg, explicit, options, status, should_stop, start)
         finally:
             dht.shutdown()
 
 
-def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus, should_stop) -> int:
+def starting_checkpoint(cfg: TrainConfig, options: JoinOptions) -> Checkpoint | None:
+    """--init-from's checkpoint, loaded and verified; None without the flag, or when --out already holds this
+    peer's own checkpoint (a restart with the same command line resumes that instead)."""
+    if options.init_from is None:
+        return None
+    if not Path(options.init_from).is_dir():
+        raise UserError(f"--init-from {options.init_from!r}: no such checkpoint folder")
+    if find_latest(Path(cfg.out)) is not None:
+        log.info("%s holds this peer's checkpoint: resuming from it, not from --init-from %s", cfg.out,
+                 options.init_from)
+        return None
+    return resume_from(options.init_from)
+
+
+def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus, should_stop,
+                start: Checkpoint | None) -> int:
     peer_id = str(dht.peer_id)
     maddrs = _sorted_maddrs(dht)
     device = resolve_device(cfg.device)
     corpus = load_corpus(cfg.data)
-    run = resolve_run(dht, cfg, explicit, options, corpus, device)
-    if not options.network.initial_peers:
-        _print_join_line(maddrs, options.run_id)
+    run = resolve_run(dht, cfg, explicit, options, corpus, device, start)
 
     resume = find_latest(Path(cfg.out)) is not None
     if resume:
         log.info("resuming from the checkpoint in %s", cfg.out)
     cfg = replace(run.apply_to(cfg), seed=peer_seed(peer_id, cfg.seed), resume=resume)
+    if start is not None and start.step >= cfg.steps:
+        raise UserError(f"--init-from {start.path} is at step {start.step}, not before the run's last step {cfg.steps}")
     trainer = prepare_trainer(cfg)
     if trainer.model_cfg != run.model_config:
         raise UserError(f"the model built here ({trainer.model_cfg}) differs from run {options.run_id!r}'s ({run.model_config})")
-    if not resume:
+    if start is not None:
+        trainer.start_from(start)
+        log.info("starting from %s at step %d", start.path, trainer.step)
+    elif not resume:
         trainer.apply_outer_update(initial_weights(run))
+    if not options.network.initial_peers:
+        _print_join_line(maddrs, options.run_id)
     name = options.name or f"peer-{peer_id[-6:]}"
     identity = SwarmIdentity(
         peer_id=peer_id,
@@ -227,9 +250,11 @@ def _leave_at_once_on_second_ctrl_c(stop: GracefulStop) -> None:
     signal.signal(signal.SIGINT, handle)
 
 
-def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, corpus, device) -> RunConfig:
+def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, corpus, device,
+                start: Checkpoint | None = None) -> RunConfig:
     """The run this peer trains: the one published in the DHT, else the one saved in --out by an earlier
-    session, else a new one from this peer's flags (published for others). Saved in --out in every case."""
+    session, else a new one from this peer's flags (published for others) with the model of `start` (the
+    --init-from checkpoint) if given. Saved in --out in every case."""
     tokenizer = tokenizer_name(corpus)
     published = fetch_run_config(dht, options.run_id) if options.network.initial_peers else None
     saved = load_saved_run_config(cfg.out)
@@ -246,10 +271,13 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
             )
         log.info("%s run %r (config %s): model %s, %d inner steps", "joined" if published else "continuing",
                  options.run_id, run.hash[:12], run.model_config.dims, run.inner_steps)
+        if start is not None and ModelConfig.from_dict(start.model_config) != run.model_config:
+            raise UserError(f"--init-from {start.path} holds model {ModelConfig.from_dict(start.model_config).dims}, "
+                            f"but run {options.run_id!r} trains {run.model_config.dims}")
     else:
         run = RunConfig.from_settings(
             cfg,
-            model_config_for(cfg, device.type, corpus.vocab_size),
+            model_config_for(cfg, device.type, corpus.vocab_size, start.model_config if start else None),
             tokenizer,
             inner_steps=options.inner_steps or DEFAULT_INNER_STEPS,
             outer_lr=options.outer_lr or DEFAULT_OUTER_LR,

@@ -7,6 +7,7 @@ the trainer, its DHT and averager processes and its p2pd together. Every group i
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -308,6 +309,35 @@ def test_bad_swarm_flags_are_refused_in_one_line(flags, message, capsys):
     assert main(["join", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("tscale-peer: error:")
+
+
+@pytest.mark.timeout(150)
+def test_a_new_run_starts_from_a_solo_runs_checkpoint(spawn, tmp_path, text_file, capsys):
+    # A model that is not join's default, trained alone for 30 steps.
+    solo = ["--model", "e32h2d1w64", "--batch-size", "8", "--device", "cpu", "--save-every", "0", "--lr", "1e-2",
+            "--warmup", "0"]
+    assert main(["train", "--data", str(text_file), "--out", str(tmp_path / "solo"), "--steps", "30", *solo]) == 0
+    trained = tmp_path / "solo" / "step-00000030"
+    # No model flags: the new run takes the checkpoint's model, weights, AdamW state and step.
+    founder = spawn("founder", *join_args("founder", text_file, "--run-id", "warm", "--init-from",
+                                          str(tmp_path / "solo"), "--steps", "40", "--max-steps", "4",
+                                          "--batch-size", "4", "--device", "cpu", "--log-every", "1",
+                                          "--save-every", "0", "--inner-steps", "4", "--matchmaking-time", "0.5",
+                                          "--averaging-timeout", "1"))
+    assert founder.wait(100) == 0, founder.output()[-3000:]
+    log = founder.output()
+    assert "started run 'warm'" in log and "model e32h2d1w64" in log
+    assert f"starting from {trained} at step 30" in log
+    first_loss = float(re.search(r"step 31  round \d+  loss ([\d.]+)", log).group(1))
+    assert first_loss < 0.75 * math.log(256), log[-3000:]  # a fresh model starts at ln(vocab)
+    assert re.search(r"step 34 ", log)  # 30 steps before, 4 now, on one schedule
+    # Refused in one line, before anything trains: a missing folder, a checkpoint at or past the run's end.
+    assert main(["join", "--out", str(tmp_path / "x"), "--init-from", str(tmp_path / "nowhere")]) == 2
+    assert "--init-from" in capsys.readouterr().err
+    late = spawn("late", *join_args("late", text_file, "--init-from", str(trained), "--steps", "30", "--device", "cpu"))
+    assert late.wait(60) == 2
+    assert "is at step 30, not before the run's last step 30" in late.output()
+    assert "Traceback" not in late.output()
 
 
 @pytest.mark.timeout(120)

@@ -56,7 +56,7 @@ def model_config_for(
             if wanted.dims != model_cfg.dims:
                 raise UserError(
                     f"--model {cfg.model} does not match the checkpoint's model {model_cfg.dims}; "
-                    f"drop --model to resume, or pick another --out"
+                    f"drop --model to use the checkpoint's"
                 )
         if model_cfg.vocab_size != vocab_size:
             raise UserError(

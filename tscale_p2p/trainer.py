@@ -274,13 +274,18 @@ class Trainer:
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue from `checkpoint`: weights, optimizer, RNG and data position."""
+        self.start_from(checkpoint)
+        restore_rng_state(checkpoint.rng_state)
+        self.tokens_seen = int(checkpoint.meta["tokens_seen"])
+        self.train_batches.load_state_dict(checkpoint.meta["data"])
+
+    def start_from(self, checkpoint: Checkpoint) -> None:
+        """Take `checkpoint`'s weights, optimizer state and place in the schedule, but keep this trainer's own
+        data stream and random state (a swarm peer starting from another run's checkpoint)."""
         checkpoint.restore(self.model, self.optimizer)
         if self.offloaded:
             self.optimizer.load_weights(checkpoint.model_state)
-        restore_rng_state(checkpoint.rng_state)
         self.step = checkpoint.step
-        self.tokens_seen = int(checkpoint.meta["tokens_seen"])
-        self.train_batches.load_state_dict(checkpoint.meta["data"])
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
