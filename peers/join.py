@@ -106,7 +106,9 @@ def join(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalSt
 
 
 def _join_until_stopped(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus) -> int:
-    start = starting_checkpoint(cfg, options)  # verified before going online: a bad one costs no DHT start
+    # Loaded before going online (a bad one costs no DHT start), and handed over in a list that _join_swarm
+    # empties: nothing here keeps the checkpoint's tensors (weights, AdamW moments) alive after they are copied.
+    start = [starting_checkpoint(cfg, options)]
     with GracefulStop() as stop:
         _leave_at_once_on_second_ctrl_c(stop)
         should_stop = lambda: stop.requested or status.stop_requested.is_set()  # noqa: E731
@@ -134,7 +136,8 @@ def starting_checkpoint(cfg: TrainConfig, options: JoinOptions) -> Checkpoint | 
 
 
 def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus, should_stop,
-                start: Checkpoint | None) -> int:
+                handed_over: list[Checkpoint | None]) -> int:
+    start = handed_over.pop()
     peer_id = str(dht.peer_id)
     maddrs = _sorted_maddrs(dht)
     device = resolve_device(cfg.device)
@@ -153,6 +156,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
     if start is not None:
         trainer.start_from(start)
         log.info("starting from %s at step %d", start.path, trainer.step)
+        del start
     elif not resume:
         trainer.apply_outer_update(initial_weights(run))
     if not options.network.initial_peers:
