@@ -78,9 +78,10 @@ def trainer_for(args, batch_size: int, seed: int) -> Trainer:
     run = run_config(args)
     device = torch.device(args.device)
     trainer = Trainer(run.model_config, settings(args, batch_size, seed), load_corpus(args.data), device)
-    trainer.apply_outer_update(initial_weights(run))
     if args.start_state:  # a run in progress: its weights, AdamW moments and place in the schedule
         trainer.start_from(resume_from(args.start_state))
+    else:
+        trainer.apply_outer_update(initial_weights(run))
     return trainer
 
 
@@ -269,9 +270,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per peer")
     parser.add_argument("--inner-steps", type=int, default=25)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--peer-lr", help="the in-process DiLoCo rows' inner peak lr (default: --lr); several, "
-                        "comma-separated, repeat every DiLoCo row for each; "
-                        "for peers whose batch is --peers times smaller than the one process's")
+    parser.add_argument("--peer-lr", help="the peers' inner peak lr (default: --lr), for peers whose batch is "
+                        "--peers times smaller than the one process's; several (comma-separated) repeat every "
+                        "in-process DiLoCo row for each, and the swarm takes the first")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--outer-lr", type=float, default=DEFAULT_OUTER_LR, help="(default: join's)")
     parser.add_argument("--outer-momentum", type=float, default=DEFAULT_OUTER_MOMENTUM, help="(default: join's)")

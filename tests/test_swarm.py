@@ -333,7 +333,8 @@ def test_a_new_run_starts_from_a_solo_runs_checkpoint(spawn, tmp_path, text_file
     assert re.search(r"step 34 ", log)  # 30 steps before, 4 now, on one schedule
     # Refused in one line, before anything trains: a missing folder, a checkpoint at or past the run's end.
     assert main(["join", "--out", str(tmp_path / "x"), "--init-from", str(tmp_path / "nowhere")]) == 2
-    assert "--init-from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--init-from" in err and "nowhere" in err and err.count("\n") == 1
     late = spawn("late", *join_args("late", text_file, "--init-from", str(trained), "--steps", "30", "--device", "cpu"))
     assert late.wait(60) == 2
     assert "is at step 30, not before the run's last step 30" in late.output()
