@@ -16,8 +16,9 @@ from tscale_p2p.cli import main
 from tscale_p2p.peers.join import default_threads, other_local_peers
 
 # A stand-in for another peer: a process with a `tscale-peer join` command line that forks once, as hivemind's
-# DHT and averager processes are forks of their peer.
-FAKE_PEER = "import os, time; os.fork(); print('up', flush=True); time.sleep(60)"
+# DHT and averager processes are forks of their peer. Only the parent says "up" (once the fork exists): with both
+# printing, the two words could meet on one line under load.
+FAKE_PEER = "import os, time\nif os.fork(): print('up', flush=True)\ntime.sleep(60)"
 
 
 def test_threads_flag_is_documented_and_checked(capsys):
