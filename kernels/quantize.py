@@ -51,6 +51,12 @@ TILE = 128  # the fine-grained scale group (DeepSeek-V3 style 1x128 tiles)
 
 
 @triton.jit
+def _scale_of(amax, QMAX: tl.constexpr):
+    """The scale that maps amax onto the format's largest value; 1 for an all-zero row or column."""
+    return tl.where(amax > 0, amax / QMAX, 1.0)
+
+
+@triton.jit
 def _scale_and_cast(x, scale, offsets, seed, QMAX: tl.constexpr, IS_INT: tl.constexpr,
                     MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr,
                     EMULATE_CAST: tl.constexpr, OUT_DTYPE: tl.constexpr):
@@ -118,7 +124,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, rowmul_ptr, M, K, str
                     other=0.0).to(tl.float32)
         ax = tl.abs(x)
         amax = tl.max(ax, axis=1)
-        scale = tl.where(amax > 0, amax / QMAX, 1.0)
+        scale = _scale_of(amax, QMAX)
         offsets = rows[:, None] * K + cols[None, :]
         q = _scale_and_cast(x, scale[:, None], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP,
                             STOCHASTIC, EMULATE_CAST, q_ptr.dtype.element_ty)
@@ -148,7 +154,7 @@ def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, rowmul_ptr, M, K, s
         amax = tl.max(tl.abs(x), axis=0)
     else:
         amax = tl.load(colmax_ptr + cols, mask=cols < K, other=0.0)
-    scale = tl.where(amax > 0, amax / QMAX, 1.0)
+    scale = _scale_of(amax, QMAX)
     offsets = cols[None, :] * M + rows[:, None]
     q = _scale_and_cast(x, scale[None, :], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, STOCHASTIC,
                         EMULATE_CAST, q_ptr.dtype.element_ty)
@@ -185,8 +191,8 @@ def _quantize_both_kernel(x_ptr, q_ptr, qt_ptr, row_amax_ptr, col_amax_ptr, s_pt
     x, rows, cols, mask = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
     row_amax = tl.load(row_amax_ptr + rows, mask=rows < M, other=0.0)
     col_amax = tl.load(col_amax_ptr + cols, mask=cols < K, other=0.0)
-    row_scale = tl.where(row_amax > 0, row_amax / QMAX, 1.0)
-    col_scale = tl.where(col_amax > 0, col_amax / QMAX, 1.0)
+    row_scale = _scale_of(row_amax, QMAX)
+    col_scale = _scale_of(col_amax, QMAX)
     q = _scale_and_cast(x, row_scale[:, None], 0, 0, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, False,
                         EMULATE_CAST, q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
