@@ -39,6 +39,8 @@ Usage: the asynchronous swarm loop (host process; `DelayedOuterStep` is in peers
                 trainer.apply_outer_update(rounds.apply_average(trainer.snapshot(), average))
                 pending = None
         # (the swarm loop, peers/swarm.py, trains on until `pending` is done instead of ending the round here)
+        # (the swarm loop also calls averager.schedule_round(...) matchmaking_time seconds before the round
+        # ends, so that the group is formed by the time start_round hands over the pseudo-gradient)
         pseudo_gradient = rounds.finish_round(trainer.snapshot())
         pending = averager.start_round([pseudo_gradient[n] for n in names], tokens=tokens)
         own_previous = pseudo_gradient
@@ -70,6 +72,7 @@ from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
 from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
@@ -95,7 +98,8 @@ class RoundOutcome:
 
     averaged: Optional[list[torch.Tensor]]  # the group's weighted mean; None: averaged with nobody
     group_size: int  # peers in the group, this one included (1 when alone)
-    group_tokens: float  # sum of the tokens the group's peers declared (malformed declarations count 0)
+    group_tokens: float  # sum of the tokens the group's peers declared (malformed declarations count 0; a
+    # scheduled round declares the tokens its peer expected to have by the round's end)
     bytes_sent: int  # tensor bytes this peer put on the wire during the round (protobuf level)
     bytes_received: int
     seconds: float  # from start_round to the end of the all-reduce
@@ -157,6 +161,11 @@ class PendingRound:
             )
             self._averager._pending = None
         return self._outcome
+
+
+def _check_tokens(tokens: float) -> None:
+    if not (math.isfinite(tokens) and tokens > 0):
+        raise ValueError(f"tokens must be a positive number, got {tokens}")
 
 
 def _declared_tokens(gathered: Any) -> float:
@@ -238,6 +247,7 @@ class SwarmAverager(DecentralizedAverager):
         self._round_dropped = torch.zeros((), dtype=torch.int64).share_memory_()  # of the last all-reduce attempt
         tensors = [view.view(t.shape) for view, t in zip(self._flat.split(sizes), template)]
         self._pending: Optional[PendingRound] = None
+        self._scheduled: Optional[_ScheduledRound] = None  # matchmaking started ahead of the round's end
         self._outgoing: Optional[asyncio.Future] = None  # averager process: this round's packed pseudo-gradient
         self._step_finished = mp.Event()  # the averager process is done with the buffers of the last round
         self._step_finished.set()
@@ -280,20 +290,93 @@ class SwarmAverager(DecentralizedAverager):
 
     # ---- host process: the swarm loop's API ----
 
+    def schedule_round(self, seconds_to_start: float, tokens: float, metadata: Any = None) -> None:
+        """Begin matchmaking for a round that `start_round` will begin in about `seconds_to_start` seconds.
+
+        Call it `matchmaking_time` seconds ahead: the group is then formed while the last steps train, and the
+        average arrives one all-reduce after `start_round` instead of a whole matchmaking window later
+        (hivemind.Optimizer schedules its rounds the same way). `tokens` is the expected weight (`start_round`
+        sets the exact one); `metadata` reaches the group now, so `start_round` must pass the same. Raises
+        RuntimeError while a round is pending or already scheduled.
+        """
+        if self._pending is not None or self._scheduled is not None:
+            raise RuntimeError("a round is already pending or scheduled")
+        _check_tokens(tokens)
+        self._wait_for_last_step()
+        self._step_finished.clear()
+        wait_s = max(0.0, seconds_to_start)
+        try:
+            control = self.step(
+                gather=dict(tokens=float(tokens), metadata=metadata), weight=float(tokens),
+                scheduled_time=get_dht_time() + wait_s, timeout=wait_s + self.round_timeout,
+                require_trigger=True, wait=False,
+            )
+        except BaseException:
+            self._step_finished.set()
+            raise
+        self._scheduled = _ScheduledRound(control, metadata, self.traffic())
+
+    @property
+    def round_scheduled(self) -> bool:
+        """Whether `schedule_round` has begun a round that `start_round` has not started yet."""
+        return self._scheduled is not None
+
+    def cancel_scheduled_round(self) -> None:
+        """Give up a round scheduled by `schedule_round` that has not started (e.g. training paused or stopped)."""
+        scheduled, self._scheduled = self._scheduled, None
+        if scheduled is not None:
+            scheduled.control.cancel()
+
     def start_round(
         self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, metadata: Any = None
     ) -> PendingRound:
         """Begin averaging `pseudo_gradient` (weights at round start minus weights now) in the background.
 
         `tokens` (> 0) is this peer's weight; `metadata` (small, msgpack-able) reaches every groupmate in
-        `RoundOutcome.group_metadata`. The tensors are copied, so training may continue at once. Raises
-        ValueError for a pseudo-gradient that is not finite or does not match the template, and RuntimeError
-        while the previous round is still pending.
+        `RoundOutcome.group_metadata`. Uses the round `schedule_round` prepared, if any (it is dropped, and a
+        round begins from scratch, when it has failed meanwhile or was scheduled with other metadata). The
+        tensors are copied, so training may continue at once. Raises ValueError for a pseudo-gradient that is
+        not finite or does not match the template (cancelling a scheduled round), and RuntimeError while the
+        previous round is still pending.
         """
         if self._pending is not None:
             raise RuntimeError("the previous round is still pending: call result() on it first")
-        if not (math.isfinite(tokens) and tokens > 0):
-            raise ValueError(f"tokens must be a positive number, got {tokens}")
+        try:
+            self._check_contribution(pseudo_gradient, tokens)
+        except ValueError:
+            self.cancel_scheduled_round()
+            raise
+        scheduled, self._scheduled = self._scheduled, None
+        if scheduled is not None and (scheduled.control.done() or scheduled.metadata != metadata):
+            scheduled.control.cancel()  # nobody to average with by now, or another base: start afresh
+            scheduled = None
+        if scheduled is None:
+            self._wait_for_last_step()
+            self._step_finished.clear()
+        try:
+            with self.get_tensors() as buffers:  # the averager process reads them only once triggered
+                for buffer, tensor in zip(buffers, pseudo_gradient):
+                    buffer.copy_(tensor.detach())
+            if scheduled is None:
+                traffic_before = self.traffic()
+                control = self.step(
+                    gather=dict(tokens=float(tokens), metadata=metadata), weight=float(tokens),
+                    timeout=self.round_timeout, wait=False,
+                )
+            else:
+                control, traffic_before = scheduled.control, scheduled.traffic_before
+                control.weight = float(tokens)
+                control.allow_allreduce()
+        except BaseException:
+            if scheduled is not None:
+                scheduled.control.cancel()
+            self._step_finished.set()
+            raise
+        self._pending = PendingRound(self, control, traffic_before)
+        return self._pending
+
+    def _check_contribution(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float) -> None:
+        _check_tokens(tokens)
         if len(pseudo_gradient) != len(self._averaged_tensors):
             raise ValueError(f"expected {len(self._averaged_tensors)} tensors, got {len(pseudo_gradient)}")
         for tensor, buffer in zip(pseudo_gradient, self._averaged_tensors):
@@ -301,23 +384,6 @@ class SwarmAverager(DecentralizedAverager):
                 raise ValueError(f"pseudo-gradient shape {tuple(tensor.shape)} != {tuple(buffer.shape)}")
             if not bool(torch.isfinite(tensor).all()):
                 raise ValueError("pseudo-gradient has non-finite values; refusing to send it")
-        self._wait_for_last_step()
-        self._step_finished.clear()
-        self._round_dropped.zero_()
-        try:
-            with self.get_tensors() as buffers:
-                for buffer, tensor in zip(buffers, pseudo_gradient):
-                    buffer.copy_(tensor.detach())
-            traffic_before = self.traffic()
-            control = self.step(
-                gather=dict(tokens=float(tokens), metadata=metadata), weight=float(tokens),
-                timeout=self.round_timeout, wait=False,
-            )
-        except BaseException:
-            self._step_finished.set()
-            raise
-        self._pending = PendingRound(self, control, traffic_before)
-        return self._pending
 
     def average(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float) -> RoundOutcome:
         """`start_round(...).result()`: one blocking round."""
@@ -354,7 +420,10 @@ class SwarmAverager(DecentralizedAverager):
 
     def _wait_for_last_step(self) -> None:
         # A round's result is out before the averager process is done with it: a round that failed still rolls
-        # its residual back afterwards.
+        # its residual back afterwards. A scheduled round touches nothing before start_round triggers it, and
+        # the round before it had finished when it was scheduled.
+        if self._scheduled is not None:
+            return
         timeout = self.round_timeout + (self._allreduce_timeout or 0.0)
         if not self._step_finished.wait(timeout=timeout):
             raise RuntimeError("the averager process has not finished the last round; is it alive?")
@@ -366,16 +435,26 @@ class SwarmAverager(DecentralizedAverager):
     # ---- averager process ----
 
     async def _step(self, *, step: StepControl, future_for_init):
-        # Pack while matchmaking runs: for a big model on a CPU the pack takes seconds, and groupmates drop a
-        # sender that stays silent for next_chunk_timeout once the all-reduce has begun.
-        self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
+        # Pack while matchmaking runs, as soon as the host has handed over the tensors (the trigger): for a big
+        # model on a CPU the pack takes seconds, and groupmates drop a sender that stays silent for
+        # next_chunk_timeout once the all-reduce has begun.
+        self._outgoing = asyncio.ensure_future(self._pack_once_triggered(step))
         try:
             await super()._step(step=step, future_for_init=future_for_init)
         finally:
-            if self._outgoing is not None:  # no all-reduce delivered (e.g. nobody to average with): nothing sent
-                self._undo_error_feedback(await self._outgoing)
-                self._outgoing = None
+            outgoing, self._outgoing = self._outgoing, None
+            if outgoing is not None:  # no all-reduce delivered (e.g. nobody to average with): nothing sent
+                if not step.triggered:
+                    outgoing.cancel()  # still waiting for the trigger, so nothing was packed
+                await asyncio.wait([outgoing])
+                if not outgoing.cancelled() and outgoing.exception() is None:
+                    self._undo_error_feedback(outgoing.result())
             self._step_finished.set()  # after the undo, which reads the pseudo-gradient buffers
+
+    async def _pack_once_triggered(self, step: StepControl) -> torch.Tensor:
+        # super()._step attaches the trigger before its first await, so it is there when this task first runs.
+        await step.wait_for_trigger()
+        return await asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs
@@ -453,6 +532,15 @@ class SwarmAverager(DecentralizedAverager):
         """Views of a flat buffer shaped like the averaged tensors."""
         shapes = [t.shape for t in self._averaged_tensors]
         return [view.view(shape) for view, shape in zip(flat.split([s.numel() for s in shapes]), shapes)]
+
+
+@dataclass(frozen=True)
+class _ScheduledRound:
+    """A round whose matchmaking `schedule_round` began before its tensors were ready."""
+
+    control: StepControl
+    metadata: Any
+    traffic_before: tuple[int, int]
 
 
 class _OneBitAllReduceRunner(AllReduceRunner):

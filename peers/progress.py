@@ -113,9 +113,23 @@ class RoundClock:
                 total += min(cap, other.steps + other.steps_per_s * max(0.0, now - other.time))
         return total
 
+    def seconds_to_round_end(self, epoch: int, steps: int, steps_per_s: float) -> float:
+        """When `round_done` will say yes at the swarm's present pace (this peer making `steps_per_s`): 0 if it
+        does now, infinite if nobody is making progress."""
+        now = time.time()
+        remaining = self.inner_steps * self.peers_in(epoch) - self.collective_steps(epoch, steps, now)
+        if remaining <= 0:
+            return 0.0
+        rate = steps_per_s + sum(p.steps_per_s for p in self._others if p.epoch == epoch)
+        return remaining / rate if rate > 0 else math.inf
+
     def others_idle(self, epoch: int) -> bool:
         """Whether no other peer is still training towards round `epoch` (all have stopped, or there are none)."""
         return all(p.steps_per_s == 0 for p in self._others if p.epoch in (epoch - 1, epoch))
+
+    def others_waiting(self, epoch: int) -> bool:
+        """Whether another peer has stopped in round `epoch` with steps of it still to average (its run is over)."""
+        return any(p.epoch == epoch and p.steps > 0 and p.steps_per_s == 0 for p in self._others)
 
     def observe(self, others: list[Progress]) -> None:
         """Take `others` (fresh records of the other peers) as the swarm's progress; the DHT thread calls this."""

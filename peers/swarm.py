@@ -243,6 +243,7 @@ class SwarmPeer:
         try:
             while not (should_stop() or self._should_stop(session_steps)):
                 if self.status.paused.is_set():  # the averager keeps serving state meanwhile
+                    self.averager.cancel_scheduled_round()  # a group must not wait for a paused peer
                     time.sleep(0.1)
                     continue
                 step_start = time.perf_counter()
@@ -259,10 +260,13 @@ class SwarmPeer:
                 # A round ends when the swarm has made H steps per peer, or later if the previous average is
                 # still on its way: the trainer never waits for the network, a slow round just lasts longer.
                 epoch = self.round + (self._in_flight is not None)
-                self.clock.update(epoch, steps_in_round, steps_in_round / (time.perf_counter() - round_start))
+                steps_per_s = steps_in_round / (time.perf_counter() - round_start)
+                self.clock.update(epoch, steps_in_round, steps_per_s)
                 if self._in_flight is None and self.clock.round_done(epoch, steps_in_round):
                     self._end_round()
                     steps_in_round, round_start = 0, time.perf_counter()
+                elif self._in_flight is None and not self.averager.round_scheduled:
+                    self._maybe_schedule_round(epoch, steps_in_round, steps_per_s)
                 cfg = self.trainer.cfg
                 if cfg.save_every and stats.step % cfg.save_every == 0:
                     self.save()
@@ -278,9 +282,10 @@ class SwarmPeer:
             loop_end = time.perf_counter()
             if steps_in_round and not (should_stop() or self.status.stop_requested.is_set()):
                 self._drain()
-                self._wait_for_the_swarms_round_end(steps_in_round)
-                self._end_round()  # the run is over: average its last steps too (they would be lost otherwise)
+                if self._wait_for_the_swarms_round_end(steps_in_round):
+                    self._end_round()  # the run is over: average its last steps too (they would be lost otherwise)
         finally:
+            self.averager.cancel_scheduled_round()  # left before the round ended (stopped): nothing to average
             loop_end = loop_end or time.perf_counter()
             # No more steps from us (others must not wait for them); the clock keeps telling us who still trains
             # while the round in flight settles.
@@ -294,10 +299,12 @@ class SwarmPeer:
     def shutdown(self) -> None:
         self.averager.shutdown()
 
-    def _wait_for_the_swarms_round_end(self, steps_in_round: int) -> None:
+    def _wait_for_the_swarms_round_end(self, steps_in_round: int) -> bool:
         """The run is over in the middle of a round: wait, without training, until the swarm ends the round (or
-        everyone else has stopped too), so that the last steps are averaged in the others' group instead of
-        alone. At most the averaging timeout; not at all when nobody else is training."""
+        nobody trains towards it any more), so that the last steps are averaged in the others' group instead of
+        alone; meanwhile take part in its matchmaking like the others. At most the averaging timeout. False when
+        the others have all left this round behind: then these steps stay local, since an outer step alone
+        (with the momentum's lookahead) would move this peer's global weights away from the ones they end with."""
         epoch = self.round
         self.clock.update(epoch, steps_in_round, 0.0)  # others must not count on steps we no longer make
         deadline = time.monotonic() + self.averager.round_timeout
@@ -306,8 +313,16 @@ class SwarmPeer:
                      "them", steps_in_round, epoch + 1, self.averager.round_timeout)
         while not (self.clock.round_done(epoch, steps_in_round) or self.clock.others_idle(epoch)):
             if time.monotonic() > deadline or self.status.stop_requested.is_set():
-                return
+                return True
+            if not self.averager.round_scheduled:
+                self._maybe_schedule_round(epoch, steps_in_round, 0.0)
             time.sleep(0.2)
+        clock = self.clock
+        if clock.round_done(epoch, steps_in_round) or clock.peers_in(epoch) == 1 or clock.others_waiting(epoch):
+            return True  # the round is over, or others wait to average their last steps too, or we train alone
+        log.info("run over after %d steps of round %d, and the other peers have left it: keeping them local",
+                 steps_in_round, epoch + 1)
+        return False
 
     def _should_stop(self, session_steps: int) -> bool:
         if self.status.stop_requested.is_set():
@@ -316,6 +331,19 @@ class SwarmPeer:
             return True
         return self.trainer.step >= self.trainer.cfg.steps
 
+    def _maybe_schedule_round(self, epoch: int, steps_in_round: int, steps_per_s: float) -> None:
+        """Within one matchmaking window of the round's end, begin matchmaking: the group then forms while the
+        last steps train, and the average arrives one all-reduce after the round ends."""
+        seconds = self.clock.seconds_to_round_end(epoch, steps_in_round, steps_per_s)
+        if seconds > self.averager.matchmaking_time:
+            return
+        expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
+        self.averager.schedule_round(seconds, tokens=expected_tokens, metadata=self._base_metadata())
+
+    def _base_metadata(self) -> dict:
+        """What this round's update is based on, for the group (see `group_consensus`)."""
+        return {"round": self.round, "weights": self._fingerprint}
+
     def _end_round(self) -> None:
         """Start averaging this round's update (the previous round's average is applied by now)."""
         pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot())
@@ -323,7 +351,7 @@ class SwarmPeer:
         base = (self.round, self._fingerprint)
         try:
             pending = self.averager.start_round(
-                [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata={"round": base[0], "weights": base[1]}
+                [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata()
             )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)

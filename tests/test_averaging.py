@@ -196,6 +196,39 @@ def test_a_peer_with_far_fewer_tokens_keeps_the_groups_average():
     assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
 
 
+def test_a_round_scheduled_ahead_averages_one_all_reduce_after_it_starts():
+    """Matchmaking runs while the last steps train: once every peer hands over its pseudo-gradient (with its
+    exact token count, not the estimate it scheduled with), the average comes without another matchmaking
+    window. Meanwhile the residuals can be read without waiting, and a cancelled schedule leaves no trace."""
+    grads, tokens = [random_grads(seed) for seed in range(3)], [1000.0, 2000.0, 3000.0]
+    matchmaking_time = AVERAGER_OPTIONS["matchmaking_time"]
+    with swarm([OneBitCodec() for _ in range(3)]) as averagers:
+        for averager in averagers:
+            averager.schedule_round(matchmaking_time, tokens=500.0, metadata="base")
+        started = time.monotonic()
+        assert float(averagers[0].error_feedback_state()["sender"].norm()) == 0.0
+        assert time.monotonic() - started < 1.0  # a scheduled round has taken nothing yet
+        time.sleep(matchmaking_time + 0.5)  # the last steps of the round train meanwhile
+        pending = [a.start_round(g, tokens=t, metadata="base") for a, g, t in zip(averagers, grads, tokens)]
+        outcomes = [p.result(timeout=40) for p in pending]
+        for outcome in outcomes:
+            assert outcome.error is None and outcome.group_size == 3 and outcome.dropped_peers == 0
+            assert outcome.group_metadata == ("base",) * 3
+            assert outcome.seconds < matchmaking_time, outcome.seconds  # no second matchmaking window
+            assert torch.equal(outcome.averaged[0], outcomes[0].averaged[0])
+        assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+
+        averagers[0].schedule_round(matchmaking_time, tokens=500.0)
+        averagers[0].cancel_scheduled_round()
+        averagers[0].round_timeout = 3.0
+        alone = averagers[0].average(random_grads(5), tokens=100.0)
+        assert alone.averaged is None and alone.group_size == 1
+        with pytest.raises(RuntimeError):
+            averagers[1].schedule_round(matchmaking_time, tokens=1.0)
+            averagers[1].schedule_round(matchmaking_time, tokens=1.0)
+        averagers[1].cancel_scheduled_round()
+
+
 DOOMED_PEER = textwrap.dedent(
     """
     import pathlib, sys, time

@@ -459,5 +459,20 @@ def test_round_clock_a_minority_ahead_counts_its_share_and_a_majority_ahead_ends
     assert clock.others_idle(3)  # everyone counted has stopped (the peer two rounds back is not counted)
     clock.observe([Progress(3, 60, 0.0, now), Progress(2, 0, 4.0, now)])
     assert not clock.others_idle(3)  # one is still training towards this round
+    assert clock.others_waiting(3)  # and the other has run out of steps in round 3, with 60 to average
+    clock.observe([Progress(3, 0, 0.0, now), Progress(4, 0, 0.0, now)])
+    assert clock.others_idle(3) and not clock.others_waiting(3)  # both have left round 3, nothing of it to average
     clock.observe([])
     assert clock.others_idle(3)  # alone: nobody to wait for
+
+
+def test_round_clock_predicts_when_the_round_ends_at_the_swarms_pace():
+    """The swarm loop schedules matchmaking this many seconds ahead of the round's end."""
+    clock = RoundClock(dht=None, run_id="clock", peer_id="me", inner_steps=10)
+    now = time.time()
+    clock.observe([Progress(epoch=3, steps=4, steps_per_s=2.0, time=now), Progress(2, 9, 1.0, now)])
+    # 3 x 10 steps to make; 6 (ours) + 4 (the other in round 3) made; 2 + 2 steps/s in round 3
+    assert clock.seconds_to_round_end(3, 6, steps_per_s=2.0) == pytest.approx(5.0, rel=0.01)
+    assert clock.seconds_to_round_end(3, 26, steps_per_s=2.0) == 0.0
+    clock.observe([Progress(3, 4, 0.0, now)])
+    assert clock.seconds_to_round_end(3, 6, steps_per_s=0.0) == math.inf
