@@ -127,10 +127,6 @@ class RoundClock:
         """Whether no other peer is still training towards round `epoch` (all have stopped, or there are none)."""
         return all(p.steps_per_s == 0 for p in self._others if p.epoch in (epoch - 1, epoch))
 
-    def others_waiting(self, epoch: int) -> bool:
-        """Whether another peer has stopped in round `epoch` with steps of it still to average (its run is over)."""
-        return any(p.epoch == epoch and p.steps > 0 and p.steps_per_s == 0 for p in self._others)
-
     def observe(self, others: list[Progress]) -> None:
         """Take `others` (fresh records of the other peers) as the swarm's progress; the DHT thread calls this."""
         self._others = list(others)
