@@ -44,7 +44,7 @@ def add_join_parser(commands) -> None:
     swarm.add_argument("--client-mode", action="store_true",
                        help="behind NAT/firewall: only dial out (reached through relays); serves no state")
     swarm.add_argument("--inner-steps", type=int, metavar="H",
-                       help="local steps between averaging rounds (a new run's setting; default 100)")
+                       help="local steps between averaging rounds (a new run's setting; default 200)")
     swarm.add_argument("--outer-lr", type=float, metavar="LR", help="outer Nesterov SGD learning rate (new run; 1.0)")
     swarm.add_argument("--outer-momentum", type=float, metavar="M", help="outer Nesterov momentum (new run; 0.7)")
     swarm.add_argument("--max-steps", type=int, metavar="N", help="stop after N local steps (for scripts)")

@@ -81,9 +81,15 @@ class RoundClock:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread, after publishing the last `update()` (e.g. "stopped"): otherwise the others would
+        extrapolate this peer's last record, as if it still trained, until that record expires."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+            try:
+                self._publish()
+            except Exception as error:  # the DHT may be shutting down
+                log.debug("round clock: last publish failed: %s", error)
 
     def update(self, epoch: int, steps: int, steps_per_s: float) -> None:
         self._mine = Progress(epoch, steps, steps_per_s, time.time())
@@ -139,11 +145,14 @@ class RoundClock:
                 log.debug("round clock: DHT exchange failed: %s", error)
             self._stop.wait(self.every_s)
 
-    def _exchange(self) -> None:
+    def _publish(self) -> None:
         mine = self._mine
         if mine is not None:
             self.dht.store(self.key, mine.to_wire(), expiration_time=time.time() + 3 * self.every_s + 5,
                            subkey=self.peer_id)
+
+    def _exchange(self) -> None:
+        self._publish()
         found = self.dht.get(self.key, latest=True)
         others = []
         fresh = time.time() - 3 * self.every_s - 5

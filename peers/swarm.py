@@ -12,7 +12,9 @@ Nesterov momentum of the outer SGD. They are what a joining peer downloads.
 The trainer never waits for the network: a round ends when the swarm has made H steps per peer (`RoundClock`,
 peers/progress.py: all peers end it at about the same moment, so they meet in one group) *and* once the
 previous round's average has arrived and been applied (checked after every step); while it has not, training
-simply goes on, so a slow round makes the next one longer instead of idling the device. A round that finds nobody, or fails, is applied with this
+simply goes on, so a slow round makes the next one longer instead of idling the device. Matchmaking begins one
+matchmaking window before the clock expects the round to end (`SwarmAverager.schedule_round`), so the group is
+formed by then and the average arrives one all-reduce later. A round that finds nobody, or fails, is applied with this
 peer's own pseudo-gradient: a lonely peer simply continues alone.
 
 Staying in sync: every peer tells its group which global weights its update is based on (outer round and a
@@ -302,12 +304,12 @@ class SwarmPeer:
     def _wait_for_the_swarms_round_end(self, steps_in_round: int) -> bool:
         """The run is over in the middle of a round: wait, without training, until the swarm ends the round (or
         nobody trains towards it any more), so that the last steps are averaged in the others' group instead of
-        alone; meanwhile take part in its matchmaking like the others. At most the averaging timeout.
+        alone. At most the averaging timeout.
 
-        False when the round ends with fewer than H steps in all, made by several peers: then every peer keeps
-        its last steps local. An outer step on so little work would mostly repeat the momentum's lookahead, and
-        the peers that ran out of steps at the previous round's end would not take it: the global weights would
-        end different (measured: 0.5% worse val loss for the peers that took it, benchmarks/RESULTS.md)."""
+        False when the round ends with fewer than H steps in all: then every peer keeps its last steps local. An
+        outer step on so little work would mostly repeat the momentum's lookahead, and the peers that ran out of
+        steps at the previous round's end would not take it: the global weights would end different (measured:
+        0.5% worse val loss for the peers that took it, benchmarks/RESULTS.md)."""
         epoch = self.round
         self.clock.update(epoch, steps_in_round, 0.0)  # others must not count on steps we no longer make
         deadline = time.monotonic() + self.averager.round_timeout
@@ -317,12 +319,10 @@ class SwarmPeer:
         while not (self.clock.round_done(epoch, steps_in_round) or self.clock.others_idle(epoch)):
             if time.monotonic() > deadline or self.status.stop_requested.is_set():
                 return True
-            if not self.averager.round_scheduled:
-                self._maybe_schedule_round(epoch, steps_in_round, 0.0)
             time.sleep(0.2)
         swarm_steps = self.clock.collective_steps(epoch, steps_in_round, time.time())
-        if swarm_steps >= self.inner_steps or self.clock.peers_in(epoch) == 1:
-            return True  # a round worth an outer step, or this peer trains alone (its rounds are all its own)
+        if swarm_steps >= self.inner_steps:
+            return True
         log.info("run over after %d steps of round %d, %d in all by the swarm's peers: keeping them local",
                  steps_in_round, epoch + 1, swarm_steps)
         return False
