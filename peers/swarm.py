@@ -304,7 +304,8 @@ class SwarmPeer:
     def _wait_for_the_swarms_round_end(self, steps_in_round: int) -> bool:
         """The run is over in the middle of a round: wait, without training, until the swarm ends the round (or
         nobody trains towards it any more), so that the last steps are averaged in the others' group instead of
-        alone. At most the averaging timeout.
+        alone; meanwhile it takes part in the round's matchmaking like the others (a peer that began it only at
+        the round's end found their group formed without it). At most the averaging timeout.
 
         False when the round ends with fewer than H steps in all: then every peer keeps its last steps local. An
         outer step on so little work would mostly repeat the momentum's lookahead, and the peers that ran out of
@@ -319,6 +320,8 @@ class SwarmPeer:
         while not (self.clock.round_done(epoch, steps_in_round) or self.clock.others_idle(epoch)):
             if time.monotonic() > deadline or self.status.stop_requested.is_set():
                 return True
+            if not self.averager.round_scheduled:
+                self._maybe_schedule_round(epoch, steps_in_round, 0.0)
             time.sleep(0.2)
         swarm_steps = self.clock.collective_steps(epoch, steps_in_round, time.time())
         if swarm_steps >= self.inner_steps:
