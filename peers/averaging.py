@@ -353,6 +353,7 @@ class SwarmAverager(DecentralizedAverager):
         if scheduled is None:
             self._wait_for_last_step()
             self._step_finished.clear()
+        self._round_dropped.zero_()  # a round that finds nobody must not report the last one's losses
         try:
             with self.get_tensors() as buffers:  # the averager process reads them only once triggered
                 for buffer, tensor in zip(buffers, pseudo_gradient):
