@@ -116,6 +116,7 @@ class PendingRound:
     def __init__(self, averager: "SwarmAverager", control: StepControl, traffic_before: tuple[int, int]):
         self._averager, self._control, self._traffic_before = averager, control, traffic_before
         self._started = time.perf_counter()
+        self._gave_up = False
         self._outcome: Optional[RoundOutcome] = None
 
     def done(self) -> bool:
@@ -128,7 +129,8 @@ class PendingRound:
             return False
         if time.perf_counter() - self._started < after_s:
             return False
-        return self._control.cancel()
+        self._gave_up = self._control.cancel()
+        return self._gave_up
 
     def result(self, timeout: Optional[float] = None) -> RoundOutcome:
         """Wait for the round (at most `timeout` s; TimeoutError after that). Never raises for network failures."""
@@ -140,7 +142,7 @@ class PendingRound:
                 if not self._control.done():
                     raise  # our wait timed out; the round goes on
                 # nobody to average with, or the all-reduce failed: the caller goes alone
-                error = f"{type(e).__name__}: {e}"
+                error = "nobody else looking for a group" if self._gave_up else f"{type(e).__name__}: {e}"
             else:
                 averaged = self._averager._read_result()
                 group_size = len(gathered)

@@ -308,6 +308,13 @@ def test_a_peer_alone_gets_no_average_within_the_round_timeout():
         # Nothing was sent, so nothing is owed: the packing done during matchmaking was rolled back (up to
         # float rounding; not rolled back it would be ~0.6 x the pseudo-gradient's norm of ~0.09).
         assert float(averager.error_feedback_state()["sender"].norm()) < 1e-6
+        # A leaving peer gives up sooner, and says why in words (its log line must not read like a crash).
+        pending = averager.start_round(random_grads(1), tokens=100.0)
+        assert not pending.give_up_if_alone(after_s=60.0)
+        time.sleep(0.5)
+        assert pending.give_up_if_alone(after_s=0.4)
+        outcome = pending.result(timeout=10)
+        assert outcome.averaged is None and outcome.error == "nobody else looking for a group"
 
 
 def test_bad_local_input_is_refused_before_anything_is_sent():
