@@ -350,15 +350,20 @@ class SwarmPeer:
         expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
         self.averager.schedule_round(seconds, tokens=expected_tokens, metadata=self._base_metadata())
 
+    def _base(self) -> Base:
+        """The global weights this round's update is based on."""
+        return self.round, self._fingerprint
+
     def _base_metadata(self) -> dict:
-        """What this round's update is based on, for the group (see `group_consensus`)."""
-        return {"round": self.round, "weights": self._fingerprint}
+        """`_base()` as the group reads it (see `group_consensus`)."""
+        round_number, weights = self._base()
+        return {"round": round_number, "weights": weights}
 
     def _end_round(self) -> None:
         """Start averaging this round's update (the previous round's average is applied by now)."""
         pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot())
         tokens, self._tokens_in_round = self._tokens_in_round, 0
-        base = (self.round, self._fingerprint)
+        base = self._base()
         try:
             pending = self.averager.start_round(
                 [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata()
