@@ -195,7 +195,8 @@ class SwarmAverager(DecentralizedAverager):
     :param allreduce_timeout: bound on the all-reduce itself once a group is formed
     :param next_chunk_timeout: a peer silent for this long during the all-reduce is dropped from the round
     :param target_group_size: None (default) puts the whole swarm in one group: hivemind marks splitting into
-      groups as incorrect for this use, so only set it when it is at least the swarm size
+      groups as incorrect for this use, so only set it when it is at least the swarm size (a round's
+      `group_size` overrides it for that round)
     :param codec: the 1-bit codec (its block size travels on the wire)
     :param max_norm_ratio: a contribution whose part norm exceeds this multiple of the reducer's own is dropped
       (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`, where it trained on more)
@@ -247,6 +248,8 @@ class SwarmAverager(DecentralizedAverager):
         self._reducer_residual = torch.zeros_like(self._flat).share_memory_()
         self._traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._round_dropped = torch.zeros((), dtype=torch.int64).share_memory_()  # of the last all-reduce attempt
+        self._target_group_size = target_group_size
+        self._round_group_size = torch.zeros((), dtype=torch.int64).share_memory_()  # the next step's; 0: none
         tensors = [view.view(t.shape) for view, t in zip(self._flat.split(sizes), template)]
         self._pending: Optional[PendingRound] = None
         self._scheduled: Optional[_ScheduledRound] = None  # matchmaking started ahead of the round's end
@@ -292,14 +295,16 @@ class SwarmAverager(DecentralizedAverager):
 
     # ---- host process: the swarm loop's API ----
 
-    def schedule_round(self, seconds_to_start: float, tokens: float, metadata: Any = None) -> None:
+    def schedule_round(
+        self, seconds_to_start: float, tokens: float, metadata: Any = None, group_size: Optional[int] = None
+    ) -> None:
         """Begin matchmaking for a round that `start_round` will begin in about `seconds_to_start` seconds.
 
         Call it `matchmaking_time` seconds ahead: the group is then formed while the last steps train, and the
         average arrives one all-reduce after `start_round` instead of a whole matchmaking window later
         (hivemind.Optimizer schedules its rounds the same way). `tokens` is the expected weight (`start_round`
-        sets the exact one); `metadata` reaches the group now, so `start_round` must pass the same. Raises
-        RuntimeError while a round is pending or already scheduled.
+        sets the exact one); `metadata` reaches the group now, so `start_round` must pass the same; `group_size`
+        as in `start_round`. Raises RuntimeError while a round is pending or already scheduled.
         """
         if self._pending is not None or self._scheduled is not None:
             raise RuntimeError("a round is already pending or scheduled")
@@ -308,6 +313,7 @@ class SwarmAverager(DecentralizedAverager):
         self._step_finished.clear()
         wait_s = max(0.0, seconds_to_start)
         try:
+            self._set_round_group_size(group_size)
             control = self.step(
                 gather=dict(tokens=float(tokens), metadata=metadata), weight=float(tokens),
                 scheduled_time=get_dht_time() + wait_s, timeout=wait_s + self.round_timeout,
@@ -330,12 +336,19 @@ class SwarmAverager(DecentralizedAverager):
             scheduled.control.cancel()
 
     def start_round(
-        self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, metadata: Any = None
+        self,
+        pseudo_gradient: Sequence[torch.Tensor],
+        tokens: float,
+        metadata: Any = None,
+        group_size: Optional[int] = None,
     ) -> PendingRound:
         """Begin averaging `pseudo_gradient` (weights at round start minus weights now) in the background.
 
         `tokens` (> 0) is this peer's weight; `metadata` (small, msgpack-able) reaches every groupmate in
-        `RoundOutcome.group_metadata`. Uses the round `schedule_round` prepared, if any (it is dropped, and a
+        `RoundOutcome.group_metadata`. `group_size`: the peers expected in this round (e.g. those the round
+        clock sees training); the all-reduce then begins as soon as that many have joined, instead of when the
+        matchmaking window closes (a peer beyond it is refused by a full group and averages on its own). Uses
+        the round `schedule_round` prepared, if any (it is dropped, and a
         round begins from scratch, when it has failed meanwhile or was scheduled with other metadata). The
         tensors are copied, so training may continue at once. Raises ValueError for a pseudo-gradient that is
         not finite or does not match the template (cancelling a scheduled round), and RuntimeError while the
@@ -362,6 +375,7 @@ class SwarmAverager(DecentralizedAverager):
                     buffer.copy_(tensor.detach())
             if scheduled is None:
                 traffic_before = self.traffic()
+                self._set_round_group_size(group_size)
                 control = self.step(
                     gather=dict(tokens=float(tokens), metadata=metadata), weight=float(tokens),
                     timeout=self.round_timeout, wait=False,
@@ -421,6 +435,11 @@ class SwarmAverager(DecentralizedAverager):
             raise RuntimeError("this averager has no state_source to share")
         return self._state_source()
 
+    def _set_round_group_size(self, group_size: Optional[int]) -> None:
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {group_size}")
+        self._round_group_size.fill_(group_size or 0)  # read by the averager process as the step begins
+
     def _wait_for_last_step(self) -> None:
         # A round's result is out before the averager process is done with it: a round that failed still rolls
         # its residual back afterwards. A scheduled round touches nothing before start_round triggers it, and
@@ -442,6 +461,9 @@ class SwarmAverager(DecentralizedAverager):
         # model on a CPU the pack takes seconds, and groupmates drop a sender that stays silent for
         # next_chunk_timeout once the all-reduce has begun.
         self._outgoing = asyncio.ensure_future(self._pack_once_triggered(step))
+        # hivemind's leader starts the all-reduce early only when its group reaches target_group_size; with the
+        # swarm's size unknown it would always wait out the matchmaking window. It has no per-step setting.
+        self._matchmaking.target_group_size = int(self._round_group_size) or self._target_group_size
         try:
             await super()._step(step=step, future_for_init=future_for_init)
         finally:

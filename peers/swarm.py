@@ -348,7 +348,17 @@ class SwarmPeer:
         if seconds > window or round_s + seconds <= window:
             return
         expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
-        self.averager.schedule_round(seconds, tokens=expected_tokens, metadata=self._base_metadata())
+        self.averager.schedule_round(
+            seconds, tokens=expected_tokens, metadata=self._base_metadata(), group_size=self._expected_group_size(epoch)
+        )
+
+    def _expected_group_size(self, epoch: int) -> int | None:
+        """The group to expect for round `epoch`: the peers the round clock sees in it, so that the average
+        starts once they are all in, not when the matchmaking window closes (on the H200 benchmark that window
+        made every average a whole round late). None for a peer that sees nobody: it keeps the window open for
+        whoever turns up."""
+        peers = self.clock.peers_in(epoch)
+        return peers if peers > 1 else None
 
     def _base(self) -> Base:
         """The global weights this round's update is based on."""
@@ -366,7 +376,8 @@ class SwarmPeer:
         base = self._base()
         try:
             pending = self.averager.start_round(
-                [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata()
+                [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata(),
+                group_size=self._expected_group_size(self.round),
             )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)

@@ -229,6 +229,28 @@ def test_a_round_scheduled_ahead_averages_one_all_reduce_after_it_starts():
         averagers[1].cancel_scheduled_round()
 
 
+def test_a_round_that_expects_its_whole_group_averages_as_soon_as_everyone_is_in():
+    """hivemind's leader waits out the matchmaking window unless it knows the group's size; told the peers to
+    expect, the round averages as soon as they have all joined, with the same result."""
+    grads, tokens = [random_grads(seed) for seed in range(3)], [1000.0, 2000.0, 3000.0]
+    matchmaking_time = 6.0
+    with swarm([OneBitCodec() for _ in range(3)], matchmaking_time=matchmaking_time) as averagers:
+        pending = [a.start_round(g, tokens=t, group_size=3) for a, g, t in zip(averagers, grads, tokens)]
+        outcomes = [p.result(timeout=40) for p in pending]
+        for outcome in outcomes:
+            assert outcome.error is None and outcome.group_size == 3 and outcome.dropped_peers == 0
+            assert outcome.seconds < matchmaking_time / 2, outcome.seconds
+            assert torch.equal(outcome.averaged[0], outcomes[0].averaged[0])
+        assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+        waited = averagers[0].start_round(grads[0], tokens=1.0)  # no size given: the whole window, as before
+        others = [a.start_round(g, tokens=1.0) for a, g in zip(averagers[1:], grads[1:])]
+        assert waited.result(timeout=40).seconds >= matchmaking_time * 0.9
+        for other in others:
+            other.result(timeout=40)
+        with pytest.raises(ValueError):
+            averagers[0].start_round(grads[0], tokens=1.0, group_size=0)
+
+
 DOOMED_PEER = textwrap.dedent(
     """
     import pathlib, sys, time
