@@ -250,6 +250,17 @@ def test_a_round_that_expects_its_whole_group_averages_as_soon_as_everyone_is_in
         with pytest.raises(ValueError):
             averagers[0].start_round(grads[0], tokens=1.0, group_size=0)
 
+        # A peer the others did not expect (a joiner their clocks have not seen yet) is refused by the full
+        # group and gets no average this round; the group's own average is unaffected by it.
+        for averager in averagers:
+            averager.round_timeout = 8.0
+        pending = [a.start_round(g, tokens=1.0, group_size=2) for a, g in zip(averagers, grads)]
+        outcomes = sorted((p.result(timeout=40) for p in pending), key=lambda o: o.group_size)
+        assert [o.group_size for o in outcomes] == [1, 2, 2]
+        assert outcomes[0].averaged is None
+        assert all(o.error is None for o in outcomes[1:])
+        assert torch.equal(outcomes[1].averaged[0], outcomes[2].averaged[0])
+
 
 DOOMED_PEER = textwrap.dedent(
     """
