@@ -347,11 +347,11 @@ class SwarmAverager(DecentralizedAverager):
         `tokens` (> 0) is this peer's weight; `metadata` (small, msgpack-able) reaches every groupmate in
         `RoundOutcome.group_metadata`. `group_size`: the peers expected in this round (e.g. those the round
         clock sees training); the all-reduce then begins as soon as that many have joined, instead of when the
-        matchmaking window closes (a peer beyond it is refused by a full group and averages on its own). Uses
-        the round `schedule_round` prepared, if any (it is dropped, and a
-        round begins from scratch, when it has failed meanwhile or was scheduled with other metadata). The
-        tensors are copied, so training may continue at once. Raises ValueError for a pseudo-gradient that is
-        not finite or does not match the template (cancelling a scheduled round), and RuntimeError while the
+        matchmaking window closes (a peer beyond it is refused by the full group and gets no average). Uses the
+        round `schedule_round` prepared, if any, with the size it was scheduled with (it is dropped, and a round
+        begins from scratch, when it has failed meanwhile or was scheduled with other metadata). The tensors
+        are copied, so training may continue at once. Raises ValueError for a pseudo-gradient that is not
+        finite or does not match the template (cancelling a scheduled round), and RuntimeError while the
         previous round is still pending.
         """
         if self._pending is not None:
