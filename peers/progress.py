@@ -104,6 +104,11 @@ class RoundClock:
         """Peers (this one included) whose steps count towards round `epoch`."""
         return 1 + sum(1 for p in self._others if p.epoch >= epoch - 1)
 
+    def live_peers(self) -> int:
+        """Peers (this one included) with a fresh record, whatever their round: the most a group can hold now.
+        (`peers_in` would undercount when rounds are shorter than a record's period: records lag whole rounds.)"""
+        return 1 + len(self._others)
+
     def collective_steps(self, epoch: int, steps: int, now: float) -> float:
         """Steps made in round `epoch` by all peers, extrapolated to `now`; infinite if most of the others are
         past it. (A peer still in the previous round counts in `peers_in` but has made none of this round's

@@ -266,7 +266,7 @@ class SwarmPeer:
                 steps_per_s = steps_in_round / (time.perf_counter() - round_start)
                 self.clock.update(epoch, steps_in_round, steps_per_s)
                 if self._in_flight is None and self.clock.round_done(epoch, steps_in_round):
-                    self._end_round()
+                    self._end_round(time.perf_counter() - round_start)
                     steps_in_round, round_start = 0, time.perf_counter()
                 elif self._in_flight is None and not self.averager.round_scheduled:
                     self._maybe_schedule_round(epoch, steps_in_round, steps_per_s, time.perf_counter() - round_start)
@@ -286,7 +286,8 @@ class SwarmPeer:
             if steps_in_round and not (should_stop() or self.status.stop_requested.is_set()):
                 self._drain()
                 if self._wait_for_the_swarms_round_end(steps_in_round, round_start):
-                    self._end_round()  # the run is over: average its last steps too (they would be lost otherwise)
+                    # the run is over: average its last steps too (they would be lost otherwise)
+                    self._end_round(time.perf_counter() - round_start)
         finally:
             self.averager.cancel_scheduled_round()  # left before the round ended (stopped): nothing to average
             loop_end = loop_end or time.perf_counter()
@@ -350,16 +351,21 @@ class SwarmPeer:
             return
         expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
         self.averager.schedule_round(
-            seconds, tokens=expected_tokens, metadata=self._base_metadata(), group_size=self._expected_group_size(epoch)
+            seconds, tokens=expected_tokens, metadata=self._base_metadata(),
+            group_size=self._expected_group_size(round_s + seconds),
         )
 
-    def _expected_group_size(self, epoch: int) -> int | None:
-        """The group to expect for round `epoch`: the peers the round clock sees in it, so that the average
-        starts once they are all in, not when the matchmaking window closes (on the H200 benchmark that window
-        made every average a whole round late). None for a peer that sees nobody: it keeps the window open for
-        whoever turns up."""
-        peers = self.clock.peers_in(epoch)
-        return peers if peers > 1 else None
+    def _expected_group_size(self, round_s: float) -> int | None:
+        """The group to expect for a round that has lasted `round_s` seconds: every live peer the round clock
+        sees, so that the average starts once they are all in, not when the matchmaking window closes (on the
+        H200 benchmark that window made every average a whole round late).
+
+        None (wait out the window, hivemind's default) for a peer that sees nobody, and for rounds shorter than
+        two of the clock's record periods: there the records lag whole rounds, peers drift apart, and the
+        window is what gathers them (measured: with 5-step rounds in tests/test_swarm.py, groups formed at
+        once split the swarm into pairs and forced 5-9 state re-downloads a run, against none)."""
+        peers = self.clock.live_peers()
+        return peers if peers > 1 and round_s >= 2 * self.clock.every_s else None
 
     def _base(self) -> Base:
         """The global weights this round's update is based on."""
@@ -370,15 +376,16 @@ class SwarmPeer:
         round_number, weights = self._base()
         return {"round": round_number, "weights": weights}
 
-    def _end_round(self) -> None:
-        """Start averaging this round's update (the previous round's average is applied by now)."""
+    def _end_round(self, round_s: float) -> None:
+        """Start averaging this round's update, `round_s` seconds long (the previous round's average is applied
+        by now)."""
         pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot())
         tokens, self._tokens_in_round = self._tokens_in_round, 0
         base = self._base()
         try:
             pending = self.averager.start_round(
                 [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata(),
-                group_size=self._expected_group_size(self.round),
+                group_size=self._expected_group_size(round_s),
             )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)

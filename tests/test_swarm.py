@@ -455,6 +455,7 @@ def test_round_clock_a_minority_ahead_counts_its_share_and_a_majority_ahead_ends
     assert clock.round_done(3, 1)  # two of three others are past round 3: we are late
     clock.observe([Progress(1, 50, 0.0, now), current])  # far behind: not counted at all
     assert clock.peers_in(3) == 2 and not clock.round_done(3, 13) and clock.round_done(3, 14)
+    assert clock.live_peers() == 3  # ... but it is live: a round's group must expect it
     clock.observe([Progress(3, 60, 0.0, now), Progress(2, 0, 0.0, now), Progress(1, 9, 5.0, now)])
     assert clock.others_idle(3)  # everyone counted has stopped (the peer two rounds back is not counted)
     clock.observe([Progress(3, 60, 0.0, now), Progress(2, 0, 4.0, now)])
