@@ -361,15 +361,18 @@ def test_live_two_peer_swarm_appears_in_the_table_and_q_stops_this_peer(spawn, t
     thread) finds both through its own DHT node; then `q` makes alpha save a checkpoint and leave."""
     status = LocalStatus()
     cfg = TrainConfig(data=str(text_file), model="e32h2d2w64", batch_size=4, device="cpu", log_every=5,
-                      save_every=0, out=str(tmp_path / "alpha"))  # fmt: skip
+                      steps=1_000_000, save_every=0, out=str(tmp_path / "alpha"))  # fmt: skip (both train until q)
     network = NetworkOptions(host_maddrs=("/ip4/127.0.0.1/tcp/0",), identity_path=str(tmp_path / "alpha.key"))
     options = JoinOptions(network, run_id="live", name="alpha", inner_steps=5, matchmaking_time=2, averaging_timeout=10)
     source = SwarmMetricsSource("live", local_status=status)
     seen: dict[str, object] = {}
 
     async def watch() -> None:
+        # Wait until alpha trains, not just until its DHT is up: alpha's main thread then forks its averager
+        # process, and a fork that lands inside this thread's `Popen` inherits the pipe through which Popen
+        # waits for beta's exec, so Popen would block until alpha's averager exits (seen: 1 run in 4).
         deadline = time.monotonic() + 60
-        while not status.snapshot().visible_maddrs and time.monotonic() < deadline:
+        while status.snapshot().step == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         (alpha_maddr,) = [m for m in status.snapshot().visible_maddrs if MADDR.fullmatch(m)]
         spawn("beta", *join_args("beta", text_file, "--initial-peers", alpha_maddr, "--run-id", "live",
