@@ -99,9 +99,7 @@ def run_join(args: argparse.Namespace) -> int:
             return 130
     from tscale_p2p.tui.app import run_dashboard_while  # peers must not import the tui at module level
 
-    return run_dashboard_while(
-        lambda: join(cfg, explicit, options, status), status, options.run_id, options.network.initial_peers
-    )
+    return run_dashboard_while(lambda: join(cfg, explicit, options, status), status)
 
 
 def join_inputs(args: argparse.Namespace):

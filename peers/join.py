@@ -174,6 +174,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
         peer_id=peer_id,
         name=name,
         run_id=options.run_id,
+        model=run.model_config.dims,
         device=identity.device,
         visible_maddrs=identity.visible_maddrs,
         precision=trainer.precision,

@@ -13,6 +13,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tscale_p2p.peers.metrics import PeerRecord
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class StatusSnapshot:
     peer_id: str = ""
     name: str = ""
     run_id: str = ""
+    model: str = ""  # the run's model in dims notation, e.g. e384h6d6w256
     device: str = ""
     visible_maddrs: tuple[str, ...] = ()  # where other peers can reach this one
     step: int = 0  # local optimizer steps taken
@@ -51,6 +56,7 @@ class StatusSnapshot:
     seconds_to_next_averaging: float | None = None  # estimate from the current step rate
     averaging_in_flight: bool = False  # a round's all-reduce is running in the background
     swarm_size: int = 1  # peers with a live metrics record, this one included
+    swarm_records: tuple[PeerRecord, ...] = ()  # the run's peer records as this peer last read them
     paused: bool = False
     stop_requested: bool = False
     averaging: tuple[AveragingRecord, ...] = ()  # oldest first

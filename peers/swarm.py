@@ -558,14 +558,16 @@ class SwarmPeer:
         )
 
     def _publish_loop(self) -> None:
-        """Every few seconds: our metrics record; every hour: the run config (it outlives its founder)."""
+        """Every few seconds: publish our metrics record and read everyone's into the status (the dashboard
+        shows those); every hour: the run config (it outlives its founder)."""
         config_published = -float("inf")
         while True:
             try:
                 self.metrics.publish(self.record())
+                records = self.metrics.fetch()
                 fresh = time.time() - 3 * self.publish_every_s  # records of departed peers linger until their TTL
-                live = [r for r in self.metrics.fetch() if r.updated_at > fresh and r.peer_id != self.identity.peer_id]
-                self.status.update(swarm_size=1 + len(live))
+                live = [r for r in records if r.updated_at > fresh and r.peer_id != self.identity.peer_id]
+                self.status.update(swarm_size=1 + len(live), swarm_records=tuple(records))
                 if time.monotonic() - config_published > CONFIG_REFRESH_S:
                     publish_run_config(self.metrics.dht, self.identity.run_id, self.run_config)
                     config_published = time.monotonic()

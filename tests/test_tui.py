@@ -23,7 +23,7 @@ from tscale_p2p.tui.app import Dashboard, PeersFetched, logging_into
 from tscale_p2p.tui.help import HelpScreen
 from tscale_p2p.tui.log_pane import LogPane
 from tscale_p2p.tui.peers_table import PeersTable
-from tscale_p2p.tui.source import MetricsSource, SwarmMetricsSource
+from tscale_p2p.tui.source import MetricsSource, SwarmWatchSource, TrainingPeerSource
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -306,7 +306,7 @@ def test_logging_goes_to_the_pane_not_the_terminal_while_the_dashboard_runs():
     root = logging.getLogger()
     terminal = logging.StreamHandler(sys.stderr)
     root.addHandler(terminal)
-    source = SwarmMetricsSource("demo")  # watching only: it keeps its own lines (and is not connected yet)
+    source = SwarmWatchSource("demo", ["/ip4/127.0.0.1/tcp/9/p2p/QmNotConnected"])  # keeps its own lines; never connects here
     try:
         with logging_into(source):
             assert terminal not in root.handlers
@@ -321,11 +321,21 @@ def test_logging_goes_to_the_pane_not_the_terminal_while_the_dashboard_runs():
 
 def test_a_training_peer_s_pane_takes_other_libraries_lines_once():
     status = LocalStatus()
-    handler = SwarmMetricsSource("demo", local_status=status).log_handler()
+    handler = TrainingPeerSource(status).log_handler()
     for name in ("hivemind.averaging", "tscale_p2p.peers.swarm"):
         handler.handle(logging.LogRecord(name, logging.WARNING, __file__, 1, f"from {name}", None, None))
     # `join` copies tscale_p2p's own records into LocalStatus itself; the dashboard adds the rest.
     assert [line.split(" ", 2)[2] for line in status.snapshot().log_lines] == ["from hivemind.averaging"]
+
+
+def test_a_training_peer_s_dashboard_shows_the_records_its_peer_read():
+    status = LocalStatus()
+    source = TrainingPeerSource(status)
+    assert source.fetch_peers() == [] and source.model == ""  # the peer's DHT is not up yet
+    records = (peer("12D3KooWAlpha", "alpha"), peer("12D3KooWBeta", "beta"))
+    status.update(run_id="live", model="e32h2d2w64", swarm_records=records)
+    assert source.fetch_peers() == list(records)
+    assert (source.run_id, source.model) == ("live", "e32h2d2w64")
 
 
 def snapshot_run_before(local_refreshes: int):
@@ -358,13 +368,14 @@ def test_snapshot_paused_80x24(snap_compare):
 def test_live_two_peer_swarm_appears_in_the_table_and_q_stops_this_peer(spawn, tmp_path, text_file):
     """Peer "alpha" trains in this process through `join` with a `LocalStatus`; a child process joins as
     "beta". The real dashboard (headless, in a thread: hivemind starts its averager only from the main
-    thread) finds both through its own DHT node; then `q` makes alpha save a checkpoint and leave."""
+    thread) shows both from the records alpha reads from the DHT; a watch-only source of its own finds both
+    too; then `q` makes alpha save a checkpoint and leave."""
     status = LocalStatus()
     cfg = TrainConfig(data=str(text_file), model="e32h2d2w64", batch_size=4, device="cpu", log_every=5,
                       steps=1_000_000, save_every=0, out=str(tmp_path / "alpha"))  # fmt: skip (both train until q)
     network = NetworkOptions(host_maddrs=("/ip4/127.0.0.1/tcp/0",), identity_path=str(tmp_path / "alpha.key"))
     options = JoinOptions(network, run_id="live", name="alpha", inner_steps=5, matchmaking_time=2, averaging_timeout=10)
-    source = SwarmMetricsSource("live", local_status=status)
+    source = TrainingPeerSource(status)
     seen: dict[str, object] = {}
 
     async def watch() -> None:
@@ -388,7 +399,7 @@ def test_live_two_peer_swarm_appears_in_the_table_and_q_stops_this_peer(spawn, t
             seen["summary"] = str(app.query_one("#summary").render())
             seen["log"] = app.query_one(LogPane).lines
             # What `tscale-peer dashboard --initial-peers ALPHA` sees, from a node of its own:
-            watcher = SwarmMetricsSource("live", initial_peers=[alpha_maddr])
+            watcher = SwarmWatchSource("live", [alpha_maddr])
             try:
                 seen["watched"] = sorted(r.name for r in await asyncio.to_thread(watcher.fetch_peers))
             finally:
@@ -408,7 +419,6 @@ def test_live_two_peer_swarm_appears_in_the_table_and_q_stops_this_peer(spawn, t
     finally:
         status.stop_requested.set()
         watcher.join(timeout=120)
-        source.close()
     assert seen.get("names") == ["alpha", "beta"], seen
     assert seen["own row style"]  # alpha's own row is highlighted
     assert "e32h2d2w64" in seen["summary"] and "2 peers" in seen["summary"]

@@ -6,7 +6,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from textual import events, work
@@ -24,7 +24,7 @@ from tscale_p2p.tui.help import HelpScreen
 from tscale_p2p.tui.local_panel import LocalPanel
 from tscale_p2p.tui.log_pane import LogPane
 from tscale_p2p.tui.peers_table import PeersTable
-from tscale_p2p.tui.source import MetricsSource, SwarmMetricsSource
+from tscale_p2p.tui.source import MetricsSource, TrainingPeerSource
 from tscale_p2p.tui.summary import SwarmSummary, SwarmTotals
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def run_dashboard(source: MetricsSource) -> None:
         source.close()
 
 
-def run_dashboard_while(train: Callable[[], int], status: LocalStatus, run_id: str, initial_peers: Sequence[str] = ()) -> int:
+def run_dashboard_while(train: Callable[[], int], status: LocalStatus) -> int:
     """Run `train` (e.g. a `join`) in a background thread with the dashboard in front; return its exit code.
 
     Closing the dashboard (`q`, Ctrl+C) sets `status.stop_requested`: the peer finishes its round in flight,
@@ -237,7 +237,7 @@ def run_dashboard_while(train: Callable[[], int], status: LocalStatus, run_id: s
 
     # A daemon thread, so that an impatient Ctrl+C is not held up by the checkpoint it interrupts.
     thread = threading.Thread(target=target, name="tscale-peer-training", daemon=True)
-    source = SwarmMetricsSource(run_id, initial_peers, local_status=status, is_training=thread.is_alive)
+    source = TrainingPeerSource(status, is_training=thread.is_alive)
     # Signals reach only the main thread: SIGTERM asks the training thread to checkpoint and leave (the
     # dashboard closes when it has), as `join`'s own handler does when it runs in the main thread.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: status.stop_requested.set())

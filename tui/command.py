@@ -33,11 +33,11 @@ def run_dashboard_command(args: argparse.Namespace) -> int:
     from tscale_p2p.peers.network import parse_multiaddrs
     from tscale_p2p.peers.run_config import check_run_id
     from tscale_p2p.tui.app import run_dashboard
-    from tscale_p2p.tui.source import SwarmMetricsSource
+    from tscale_p2p.tui.source import SwarmWatchSource
 
     run_id = check_run_id(args.run_id)
     initial_peers = parse_multiaddrs(args.initial_peers, "--initial-peers", need_peer_id=True)
     if not sys.stdout.isatty():
         raise UserError("the dashboard needs a terminal; for plain output use 'tscale-peer peers'")
-    run_dashboard(SwarmMetricsSource(run_id, initial_peers))
+    run_dashboard(SwarmWatchSource(run_id, initial_peers))
     return 0

@@ -1,8 +1,10 @@
 """Where the dashboard's numbers come from: this peer's `LocalStatus` and the swarm's DHT records.
 
 The dashboard only reads a `MetricsSource`. `local()` and `log_lines()` are cheap copies taken under a
-lock and are called on the UI thread; `fetch_peers()` talks to the DHT, may take seconds, and is
-called in a worker thread, so neither side ever waits for the other.
+lock and are called on the UI thread; `fetch_peers()` may talk to the DHT and take seconds, so it is
+called in a worker thread, and neither side ever waits for the other. A training peer's dashboard
+(`TrainingPeerSource`) reads everything from the peer's `LocalStatus`; ``tscale-peer dashboard``
+(`SwarmWatchSource`) watches through a DHT node of its own.
 """
 
 from __future__ import annotations
@@ -69,39 +71,73 @@ class MetricsSource(ABC):
         """Release network resources once the dashboard has closed."""
 
 
-class SwarmMetricsSource(MetricsSource):
-    """The real source: the swarm seen through a client-mode DHT node of the dashboard's own, plus this
-    peer's `LocalStatus` when it trains.
+class TrainingPeerSource(MetricsSource):
+    """A training peer's dashboard: everything comes from its `LocalStatus`, the swarm's records included
+    (the peer's publish loop reads them every few seconds through its own DHT node).
 
-    The node is started by the first `fetch_peers()` (in the worker thread), from `initial_peers` and,
-    when training, this peer's own addresses once its DHT is up: the dashboard sees the swarm exactly as
-    ``tscale-peer dashboard`` on another machine would, and shares no state with the training thread.
-    Without a `LocalStatus` it only watches, and keeps its own log lines.
+    It starts no DHT node of its own: hivemind's DHT is a forked process, and a fork from the dashboard's
+    thread while the training thread runs `subprocess` (Triton and torch.compile build with compilers) would
+    hand the child the pipe through which Popen waits for the exec, and training would hang until the
+    dashboard closed.
     """
 
+    def __init__(self, status: LocalStatus, is_training: Callable[[], bool] | None = None) -> None:
+        """`is_training` (e.g. the training thread's ``is_alive``) tells when local training has ended."""
+        self.status = status
+        self._is_training = is_training
+
+    @property
+    def run_id(self) -> str:
+        return self.status.snapshot().run_id
+
+    @property
+    def model(self) -> str:
+        return self.status.snapshot().model
+
+    def local(self) -> StatusSnapshot:
+        return self.status.snapshot()
+
+    def fetch_peers(self) -> list[PeerRecord]:
+        return list(self.status.snapshot().swarm_records)
+
+    def log_lines(self) -> Sequence[str]:
+        return self.status.snapshot().log_lines
+
+    def set_paused(self, paused: bool) -> None:
+        (self.status.paused.set if paused else self.status.paused.clear)()
+
+    def request_stop(self) -> None:
+        self.status.stop_requested.set()
+
+    def finished(self) -> bool:
+        return self._is_training is not None and not self._is_training()
+
+    def log_handler(self) -> logging.Handler:
+        handler = self.status.log_handler()
+        # `join` already copies the tscale_p2p loggers' records into LocalStatus: take only the others.
+        handler.addFilter(lambda record: not record.name.startswith("tscale_p2p"))
+        return handler
+
+
+class SwarmWatchSource(MetricsSource):
+    """``tscale-peer dashboard``: a swarm watched through a client-mode DHT node of the dashboard's own,
+    which the first `fetch_peers()` starts (in the worker thread). Nothing trains here; it keeps its own
+    log lines."""
+
     def __init__(
-        self,
-        run_id: str,
-        initial_peers: Sequence[str] = (),
-        local_status: LocalStatus | None = None,
-        is_training: Callable[[], bool] | None = None,
-        connect_for_s: float = 30.0,
-        log_history: int = 500,
+        self, run_id: str, initial_peers: Sequence[str], connect_for_s: float = 30.0, log_history: int = 500
     ) -> None:
-        """`is_training` (e.g. a training thread's ``is_alive``) tells when local training has ended;
-        `connect_for_s` bounds one attempt to reach the swarm (the next refresh tries again)."""
+        """`connect_for_s` bounds one attempt to reach the swarm (the next refresh tries again)."""
         self.run_id, self.model = run_id, ""
         self.initial_peers = tuple(initial_peers)
-        self.local_status = local_status
-        self._is_training = is_training
         self._connect_for_s = connect_for_s
         self._metrics: SwarmMetrics | None = None
         self._closed = threading.Event()
         self._lock = threading.Lock()  # close() may race the worker thread that starts the node
         self._own_log = _RecentLines(log_history)
 
-    def local(self) -> StatusSnapshot | None:
-        return None if self.local_status is None else self.local_status.snapshot()
+    def local(self) -> None:
+        return None
 
     def fetch_peers(self) -> list[PeerRecord]:
         metrics = self._metrics or self._connect()
@@ -113,13 +149,9 @@ class SwarmMetricsSource(MetricsSource):
         return metrics.fetch()
 
     def _connect(self) -> SwarmMetrics | None:
-        """Start the dashboard's DHT node; None while there is nobody to bootstrap from yet."""
-        own = self.local_status.snapshot().visible_maddrs if self.local_status is not None else ()
-        bootstrap = self.initial_peers + tuple(own)
-        if not bootstrap:
-            return None  # a founding peer whose own DHT is not up yet
+        """Start the dashboard's DHT node; None if closed meanwhile."""
         options = NetworkOptions(
-            initial_peers=bootstrap,
+            initial_peers=self.initial_peers,
             host_maddrs=("/ip4/127.0.0.1/tcp/0",),  # dial-out only: nothing needs to reach a dashboard
             client_mode=True,
             retry_for_s=self._connect_for_s,
@@ -134,29 +166,20 @@ class SwarmMetricsSource(MetricsSource):
             return self._metrics
 
     def log_lines(self) -> Sequence[str]:
-        if self.local_status is not None:
-            return self.local_status.snapshot().log_lines
         with self._own_log.lock:  # the handler appends from other threads
             return tuple(self._own_log.lines)
 
     def set_paused(self, paused: bool) -> None:
-        if self.local_status is not None:
-            (self.local_status.paused.set if paused else self.local_status.paused.clear)()
+        """Nothing trains here."""
 
     def request_stop(self) -> None:
-        if self.local_status is not None:
-            self.local_status.stop_requested.set()
+        """Nothing trains here."""
 
     def finished(self) -> bool:
-        return self._is_training is not None and not self._is_training()
+        return False
 
     def log_handler(self) -> logging.Handler:
-        if self.local_status is None:
-            return self._own_log
-        handler = self.local_status.log_handler()
-        # `join` already copies the tscale_p2p loggers' records into LocalStatus: take only the others.
-        handler.addFilter(lambda record: not record.name.startswith("tscale_p2p"))
-        return handler
+        return self._own_log
 
     def close(self) -> None:
         with self._lock:
