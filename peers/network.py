@@ -6,8 +6,10 @@ for a malformed address) and hand hivemind plain strings.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -78,19 +80,37 @@ def keep_children_off_the_terminal() -> None:
     A terminal sends Ctrl+C to its whole foreground process group. Ignoring SIGINT is not enough for p2pd:
     uvloop's spawn runs the fork hooks but then resets every signal to its default before exec, so p2pd would
     exit at once and hivemind's shutdown would trip over its missing socket (a FileNotFoundError traceback).
-    A process group of its own survives exec. Each child also dies with its parent (PR_SET_PDEATHSIG), so
-    `kill -9` of this process still takes all of them down.
+    A process group of its own survives exec. The Python children leave SIGTERM to this process too, which
+    shuts them down through hivemind; as hivemind's last resort (SIGTERM after a grace period) then does
+    nothing, a child still alive when this process exits gets SIGKILL instead (multiprocessing would wait on it
+    for ever). Each child dies with its parent (PR_SET_PDEATHSIG), so `kill -9` of this process still takes
+    all of them down.
     """
     global _children_detached
     if not _children_detached:
         os.register_at_fork(after_in_child=_detach_from_terminal)
+        atexit.register(_kill_leftover_children)  # runs before multiprocessing's own exit hook (registered earlier)
         _children_detached = True
+
+
+def _kill_leftover_children() -> None:
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+def _leave_to_the_parent(signum, frame) -> None:
+    """A child's SIGTERM handler: nothing to do (the parent shuts the child down)."""
 
 
 def _detach_from_terminal() -> None:
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # hivemind ends its processes with SIGTERM
+    # SIGTERM too is the parent's to act on: a service manager or `pkill -f tscale-peer` sends it to every
+    # process, and a hivemind child killed midway can leave its parent blocked for good on a shared lock or a
+    # reply (seen: SIGTERM to all of a peer's processes hung it before its checkpoint). A no-op handler, not
+    # SIG_IGN, so that p2pd, exec'd from the DHT process, gets the default back.
+    signal.signal(signal.SIGTERM, _leave_to_the_parent)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 

@@ -1,6 +1,7 @@
 """Ctrl+C in a terminal: SIGINT to the whole foreground process group (the command, hivemind's DHT and averager
-processes, p2pd). `join` must save and exit 0, an `infer --initial-peers` fetch must stop with one line; no
-traceback either way, and nothing of the command may be left running."""
+processes, p2pd); and SIGTERM to all of the command's Python processes. `join` must save and exit 0, an
+`infer --initial-peers` fetch must stop with one line; no traceback either way, and nothing of the command may be
+left running."""
 
 from __future__ import annotations
 
@@ -93,6 +94,34 @@ def test_ctrl_c_during_join_saves_and_exits_0_without_a_traceback(tmp_path):
     assert "Traceback" not in err and "Error" not in err, err[-3000:]  # hivemind's FileNotFoundError before
     assert "SIGINT received" in err and "checkpoint written to" in err and "1 CPU threads" in err
     assert not alive, alive  # p2pd, the DHT and the averager ended with it
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_to_every_python_process_of_join_still_saves_and_exits_0(tmp_path):
+    """`pkill -f tscale-peer` signals the DHT and averager processes too: they must
+    leave their shutdown to the peer (killed midway, they hung it for good before its checkpoint)."""
+    join = start_join(tmp_path, matchmaking_time="1", averaging_timeout="2")
+    try:
+        join.wait_until(lambda: "step 10 " in join.err(), "training")
+        descendants = join.process.children(recursive=True)
+        # What `pkill -f tscale_p2p.cli` signals: the forked processes share the command line (p2pd and torch's
+        # shared-memory manager do not).
+        pythons = [p for p in [join.process, *descendants] if "tscale_p2p.cli" in " ".join(p.cmdline())]
+        assert len(pythons) >= 3, [p.cmdline() for p in descendants]  # the command, its DHT and its averager
+        for process in pythons:
+            process.terminate()
+        try:
+            code = join.popen.wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 60 s after SIGTERM:\n{join.err()[-3000:]}") from None
+        _, alive = psutil.wait_procs(descendants, timeout=10)
+    finally:
+        join.kill()
+    err = join.err()
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "SIGTERM received" in err and "checkpoint written to" in err
+    assert not alive, alive
 
 
 @pytest.mark.timeout(120)
