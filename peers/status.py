@@ -55,7 +55,6 @@ class StatusSnapshot:
     inner_steps: int = 0  # local steps per round (H)
     seconds_to_next_averaging: float | None = None  # estimate from the current step rate
     averaging_in_flight: bool = False  # a round's all-reduce is running in the background
-    swarm_size: int = 1  # peers with a live metrics record, this one included
     swarm_records: tuple[PeerRecord, ...] = ()  # the run's peer records as this peer last read them
     paused: bool = False
     stop_requested: bool = False

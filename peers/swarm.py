@@ -564,10 +564,7 @@ class SwarmPeer:
         while True:
             try:
                 self.metrics.publish(self.record())
-                records = self.metrics.fetch()
-                fresh = time.time() - 3 * self.publish_every_s  # records of departed peers linger until their TTL
-                live = [r for r in records if r.updated_at > fresh and r.peer_id != self.identity.peer_id]
-                self.status.update(swarm_size=1 + len(live), swarm_records=tuple(records))
+                self.status.update(swarm_records=tuple(self.metrics.fetch()))
                 if time.monotonic() - config_published > CONFIG_REFRESH_S:
                     publish_run_config(self.metrics.dht, self.identity.run_id, self.run_config)
                     config_published = time.monotonic()

@@ -90,7 +90,7 @@ class FakeSource(MetricsSource):
             max_steps=20_000, loss=2.9 - 0.5 * (1 - math.exp(-i / 15)) + 0.03 * math.sin(i),
             tokens_per_s=60_000.0 + 2_500 * math.sin(i / 3), tokens_contributed=512_000_000,
             gpu_memory_bytes=41_300_000_000, precision="fp8", offload=False, round=42, inner_steps=500,
-            seconds_to_next_averaging=37.5, averaging_in_flight=False, swarm_size=4,
+            seconds_to_next_averaging=37.5, averaging_in_flight=False,
             paused=self.paused.is_set(), averaging=AVERAGING, log_lines=LOG_LINES, updated_at=NOW,
         )  # fmt: skip
 
