@@ -6,6 +6,7 @@ the trainer, its DHT and averager processes and its p2pd together. Every group i
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -60,13 +61,19 @@ class Process:
             if self.popen.poll() is not None:
                 break
             time.sleep(0.2)
-        raise AssertionError(f"{pattern!r} x{count} not seen in {self.log.name}:\n{self.output()[-3000:]}")
+        raise AssertionError(f"{pattern!r} x{count} not seen in {self.log.name}:\n{self.summary()}")
+
+    def summary(self) -> str:
+        """What a failure message needs: the log's round, warning and error lines from the start, then its tail."""
+        output = self.output()
+        events = [line for line in output.splitlines() if re.search(r"round \d+:|WARN|ERROR|Traceback", line)]
+        return "\n".join(events[:40]) + "\n...\n" + output[-2000:]
 
     def wait(self, timeout: float) -> int:
         try:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.log.name} still running after {timeout} s:\n{self.output()[-3000:]}") from None
+            raise AssertionError(f"{self.log.name} still running after {timeout} s:\n{self.summary()}") from None
 
     def signal_group(self, signum: int) -> None:
         try:
@@ -146,7 +153,7 @@ def stop_all(peers: list[Process], timeout: float = 60) -> None:
     for number, peer in enumerate(peers):
         peer.popen.send_signal(signal.SIGINT if number == 0 else signal.SIGTERM)
     for peer in peers:
-        assert peer.wait(timeout) == 0, peer.output()[-3000:]
+        assert peer.wait(timeout) == 0, peer.summary()
 
 
 @pytest.mark.timeout(150)
@@ -162,20 +169,25 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
     ]
     for peer in peers:
         peer.wait_for(r"round 2: averaged with 2 peer", timeout=100)
+    # The round in flight when the peers are told to stop may end differently on each (one that stops before
+    # its round ends keeps those steps local, the others average without it): only the rounds all of them had
+    # ended before must agree.
+    ended_by_all = set.intersection(*(set(rounds(peer.output())) for peer in peers))
     stop_all(peers)
     histories = [rounds(peer.output()) for peer in peers]
     assert all(histories[0][r][0] == 2 for r in (1, 2)), histories
     # The same averages applied in the same order: the shared weights are bit for bit the same, up to the first
     # round that a peer reports as disturbed (then the resync, tested elsewhere, takes over).
     disturbed = set().union(*(disturbed_rounds(peer.output()) for peer in peers))
-    clean = [r for r in sorted(histories[0]) if r < min(disturbed, default=float("inf"))]
+    clean = [r for r in sorted(ended_by_all) if r < min(disturbed, default=float("inf"))]
     assert 1 in clean, (disturbed, histories)
     for history in histories[1:]:
-        assert [history.get(r) for r in clean] == [histories[0][r] for r in clean], histories
-    if not disturbed:
-        thetas = [shared_weights(tmp_path / name) for name in names]
-        for theta in thetas[1:]:
-            assert all(torch.equal(x, y) for x, y in zip(thetas[0], theta))
+        assert [history[r] for r in clean] == [histories[0][r] for r in clean], histories
+    if not disturbed:  # peers that applied the same averages saved the same shared weights
+        for (name, history), (other, other_history) in itertools.combinations(zip(names, histories), 2):
+            if history == other_history:
+                theta, other_theta = shared_weights(tmp_path / name), shared_weights(tmp_path / other)
+                assert all(torch.equal(x, y) for x, y in zip(theta, other_theta)), (name, other, histories)
     for peer in peers:
         assert "Traceback" not in peer.output()
 
@@ -234,7 +246,7 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
         deadline = time.monotonic() + 60
         while max(rounds(survivor.output())) < last_round[survivor] + 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert max(rounds(survivor.output())) >= last_round[survivor] + 2, survivor.output()[-3000:]
+        assert max(rounds(survivor.output())) >= last_round[survivor] + 2, survivor.summary()
     assert time.monotonic() - killed_at < 45
     stop_all([a, c])
     after_kill = [others for number, (others, _) in rounds(a.output()).items() if number > last_round[a] + 1]
@@ -324,7 +336,7 @@ def test_a_new_run_starts_from_a_solo_runs_checkpoint(spawn, tmp_path, text_file
                                           "--batch-size", "4", "--device", "cpu", "--log-every", "1",
                                           "--save-every", "0", "--inner-steps", "4", "--matchmaking-time", "0.5",
                                           "--averaging-timeout", "1"))
-    assert founder.wait(100) == 0, founder.output()[-3000:]
+    assert founder.wait(100) == 0, founder.summary()
     log = founder.output()
     assert "started run 'warm'" in log and "model e32h2d1w64" in log
     assert f"starting from {trained} at step 30" in log
@@ -345,7 +357,7 @@ def test_a_new_run_starts_from_a_solo_runs_checkpoint(spawn, tmp_path, text_file
 def test_a_restarted_peer_keeps_its_id_run_and_swarm_state(spawn, tmp_path, text_file):
     first = spawn("first", *join_args("solo", text_file, "--run-id", "again", "--max-steps", "12", *TINY,
                                       "--inner-steps", "4", "--matchmaking-time", "0.5", "--averaging-timeout", "1"))
-    assert first.wait(90) == 0, first.output()[-3000:]
+    assert first.wait(90) == 0, first.summary()
     peer_id = re.search(r"peer id (\w+)", first.output()).group(1)
     rounds_done = max(rounds(first.output()))
     # No model flags the second time: the run config saved beside the checkpoints says what the run is.
@@ -353,7 +365,7 @@ def test_a_restarted_peer_keeps_its_id_run_and_swarm_state(spawn, tmp_path, text
     # matchmaking time, not waited for until the timeout.
     second = spawn("second", *join_args("solo", text_file, "--run-id", "again", "--max-steps", "4", "--log-every", "1",
                                         "--matchmaking-time", "0.5", "--averaging-timeout", "60"))
-    assert second.wait(90) == 0, second.output()[-3000:]
+    assert second.wait(90) == 0, second.summary()
     log = second.output()
     leaving = float(re.search(r"([\d.]+) s to average the last round on leaving", log).group(1))
     assert leaving < 10, log[-3000:]
