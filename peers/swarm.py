@@ -258,7 +258,7 @@ class SwarmPeer:
                 self.tokens_contributed += stats.tokens
                 window_tokens += stats.tokens
                 window_steps += 1
-                if self._in_flight is not None and self._in_flight.pending.done():
+                if self._in_flight is not None and (self._in_flight.pending.done() or self._give_up_round_if_alone()):
                     self._apply_in_flight()  # at once: every step trained on stale global weights costs loss
                 # A round ends when the swarm has made H steps per peer, or later if the previous average is
                 # still on its way: the trainer never waits for the network, a slow round just lasts longer.
@@ -502,16 +502,21 @@ class SwarmPeer:
             self._apply_in_flight()
 
     def _settle_in_flight(self) -> None:
-        """Leaving: wait for the round in flight, but give it up (this peer's own update is applied) if it is still
-        looking for a group twice its matchmaking time after it started while nobody else trains towards it:
-        the others have left or stopped, and the averaging timeout may be far off. Others still finishing
-        their last steps of the round are waited for (within the averaging timeout), to average with them."""
+        """Leaving: wait for the round in flight (see `_give_up_round_if_alone`). Others still finishing their last
+        steps of the round are waited for (within the averaging timeout), to average with them."""
         if self._in_flight is None:
             return
-        pending, patience = self._in_flight.pending, 2 * self.averager.matchmaking_time
-        epoch = self.round + 1
-        while not pending.done() and not (self.clock.others_idle(epoch) and pending.give_up_if_alone(after_s=patience)):
+        while not (self._in_flight.pending.done() or self._give_up_round_if_alone()):
             time.sleep(0.1)
+
+    def _give_up_round_if_alone(self) -> bool:
+        """Cancel the round in flight if it is still looking for a group twice its matchmaking time after it
+        started while nobody else trains towards it: the others have left or stopped (one that waits for this
+        round's group is found within that time), or there are none. `result()` then reports it as averaged
+        alone, and this peer's own update is applied, instead of after the averaging timeout (30 s by default:
+        a lone peer's rounds and its Ctrl+C used to wait that long). True if it was cancelled."""
+        patience = 2 * self.averager.matchmaking_time
+        return self.clock.others_idle(self.round + 1) and self._in_flight.pending.give_up_if_alone(after_s=patience)
 
     # ---- reporting ----
 

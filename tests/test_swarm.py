@@ -192,6 +192,20 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
         assert "Traceback" not in peer.output()
 
 
+@pytest.mark.timeout(120)
+def test_a_peer_alone_gives_up_its_rounds_search_long_before_the_averaging_timeout(spawn, text_file):
+    """Nobody else in the swarm: each round looks for a group for two matchmaking windows (2 s here), not for
+    the averaging timeout (300 s here), then the peer takes its outer step alone; Ctrl+C is just as quick."""
+    alone = spawn("alone", *join_args("alone", text_file, "--run-id", "alone", *TINY, "--steps", "1000000",
+                                      "--inner-steps", "5", "--matchmaking-time", "1", "--averaging-timeout", "300"))
+    alone.wait_for(r"round 3: averaged with nobody", timeout=60)
+    start = time.monotonic()
+    alone.popen.send_signal(signal.SIGINT)
+    assert alone.wait(30) == 0, alone.summary()
+    assert time.monotonic() - start < 10, alone.summary()
+    assert all(others == 0 for others, _ in rounds(alone.output()).values())
+
+
 @pytest.mark.timeout(200)
 def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_file, capsys):
     """One swarm, in order: a founder prints how to join; a second peer joins; a late joiner downloads the
