@@ -136,6 +136,8 @@ APPLY_AFTER_TRIPS = {
     "exact": ("exact mean", "exact"),
     "swarm": ("1-bit both ways as SwarmAverager", "swarm"),
     "no-ef": ("1-bit both ways, no error feedback", "1-bit both ways, no error feedback"),
+    "up-only": ("1-bit up with error feedback, exact mean back", "1-bit up only"),
+    "both-ef": ("1-bit both ways, a reducer residual too", "1-bit both ways, both with error feedback"),
 }
 
 
