@@ -73,7 +73,6 @@ def start_join(tmp_path, matchmaking_time: str, averaging_timeout: str) -> Comma
                    matchmaking_time, "--averaging-timeout", averaging_timeout, "--threads", "1")
 
 
-@pytest.mark.timeout(150)
 def assert_left_in_one_line(err: str, code: int, alive: list, last_line: str) -> None:
     """Exit 130 (interrupted), no traceback, `last_line` as the last thing said, no process left behind."""
     assert code == 130, err[-3000:]
@@ -82,6 +81,7 @@ def assert_left_in_one_line(err: str, code: int, alive: list, last_line: str) ->
     assert not alive, alive
 
 
+@pytest.mark.timeout(150)
 def test_ctrl_c_during_join_saves_and_exits_0_without_a_traceback(tmp_path):
     join = start_join(tmp_path, matchmaking_time="1", averaging_timeout="2")
     try:
