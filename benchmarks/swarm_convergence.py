@@ -121,7 +121,9 @@ def onebit(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 # "swarm" is what SwarmAverager computes (1-bit up with the sender's error feedback, the mean sent back as one
 # 1-bit message without a reducer residual).
 TRIPS = {"exact": ("exact", "exact"), "swarm": ("ef", "1bit"), "1-bit up only": ("ef", "exact"),
-         "1-bit both ways, both with error feedback": ("ef", "ef"), "1-bit both ways, no error feedback": ("1bit", "1bit")}
+         "1-bit both ways, both with error feedback": ("ef", "ef"), "1-bit both ways, no error feedback": ("1bit", "1bit"),
+         "1-bit both ways, a damped sender residual": ("damped-ef", "1bit")}
+DAMPING = 0.5  # "damped-ef": the share of its residual a sender carries into the next round
 # --onebit-variants: key -> (row label, timing, TRIPS key)
 VARIANTS = {
     "sync": ("1-bit both ways as SwarmAverager", "synchronous", "swarm"),
@@ -138,6 +140,7 @@ APPLY_AFTER_TRIPS = {
     "no-ef": ("1-bit both ways, no error feedback", "1-bit both ways, no error feedback"),
     "up-only": ("1-bit up with error feedback, exact mean back", "1-bit up only"),
     "both-ef": ("1-bit both ways, a reducer residual too", "1-bit both ways, both with error feedback"),
+    "damped-ef": (f"1-bit both ways, sender residual damped by {DAMPING} a round", "1-bit both ways, a damped sender residual"),
 }
 
 
@@ -160,8 +163,12 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                 if step < steps:
                     trainer.local_step()
             deltas.append(bookkeeping.finish_round(trainer.snapshot()))
+        if up == "damped-ef":
+            for residual in residuals[:-1]:
+                for tensor in residual.values():
+                    tensor.mul_(DAMPING)
         if up != "exact":
-            deltas = [{n: onebit(d[n], residual[n] if up == "ef" else None) for n in d}
+            deltas = [{n: onebit(d[n], residual[n] if up in ("ef", "damped-ef") else None) for n in d}
                       for d, residual in zip(deltas, residuals)]
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
         if down != "exact":
