@@ -57,7 +57,8 @@ def add_join_parser(commands) -> None:
     swarm.add_argument("--matchmaking-time", type=float, default=5.0, metavar="S",
                        help="seconds a round waits to gather peers (default: 5)")
     swarm.add_argument("--averaging-timeout", type=float, default=30.0, metavar="S",
-                       help="a round that finds no group in S seconds is applied alone (default: 30)")
+                       help="a round that finds no group in S seconds is applied alone (default: 30; with no "
+                       "other peer training, after two matchmaking windows)")
     swarm.add_argument("--error-feedback", action="store_true",
                        help="keep what each 1-bit message could not carry and add it to the next round's (off by "
                        "default: at 100-200 inner steps it converged worse)")
