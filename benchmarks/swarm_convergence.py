@@ -6,8 +6,9 @@
 Three ways to spend the same tokens on the same transformer, each peer drawing its own batches:
 
 - swarm, 1-bit async     `--peers` real `tscale-peer join` processes on 127.0.0.1 (hivemind DHT, p2pd,
-                         SwarmAverager's 1-bit all-reduce both ways, sender error feedback only with
-                         `--error-feedback` as in join, each average applied as soon as it arrives), each `--steps` local steps, all started together against a stock
+                         SwarmAverager's 1-bit all-reduce both ways, sender error feedback as
+                         `--error-feedback` says (off unless given), each average applied as soon as it
+                         arrives), each `--steps` local steps, all started together against a stock
                          `hivemind-dht` bootstrap node. Scored: the global weights each peer saved on exit.
 - DiLoCo, uncompressed   the same rounds in one process, exact mean of the pseudo-gradients, the same
                          outer Nesterov SGD (peers/outer.py): applied one round late, `--apply-after` steps
@@ -49,7 +50,7 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.codec import BLOCK_SIZE
-from tscale_p2p.peers.join import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, initial_weights
+from tscale_p2p.peers.join import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, ERROR_FEEDBACK_CARRY, initial_weights
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
 from tscale_p2p.trainer import Trainer
@@ -123,7 +124,7 @@ def onebit(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 TRIPS = {"exact": ("exact", "exact"), "swarm": ("ef", "1bit"), "1-bit up only": ("ef", "exact"),
          "1-bit both ways, both with error feedback": ("ef", "ef"), "1-bit both ways, no error feedback": ("1bit", "1bit"),
          "1-bit both ways, a damped sender residual": ("damped-ef", "1bit")}
-DAMPING = 0.5  # "damped-ef": the share of its residual a sender carries into the next round
+DAMPING = ERROR_FEEDBACK_CARRY["damped"]  # "damped-ef": the share of its residual a sender carries into the next round
 # --onebit-variants: key -> (row label, timing, TRIPS key)
 VARIANTS = {
     "sync": ("1-bit both ways as SwarmAverager", "synchronous", "swarm"),
@@ -195,7 +196,7 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], b
         "--warmup", str(args.warmup), *(["--init-from", args.start_state] if args.start_state else []),
         "--inner-steps", str(args.inner_steps), "--outer-lr", str(args.outer_lr),
         "--outer-momentum", str(args.outer_momentum), "--eval-batches", str(args.eval_batches),
-        "--min-peers", str(args.peers), *(["--error-feedback"] if args.error_feedback else []),
+        "--min-peers", str(args.peers), "--error-feedback", args.error_feedback,
     ]
     logs = [work / f"peer{i}.log" for i in range(args.peers)]
     processes = [bootstrap]
@@ -290,7 +291,9 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--skip-swarm", action="store_true")
-    parser.add_argument("--error-feedback", action="store_true", help="the swarm's peers keep a sender residual")
+    parser.add_argument("--error-feedback", nargs="?", const="full", default="off", choices=sorted(ERROR_FEEDBACK_CARRY),
+                        help="the swarm's peers' join --error-feedback (default: off, as in the commands recorded "
+                        "before join had the choice; the flag alone: full)")
     parser.add_argument("--skip-diloco", action="store_true", help="no exact-mean DiLoCo rows")
     parser.add_argument("--onebit-outer-lrs", default="", help="comma-separated outer lrs of in-process 1-bit "
                         "one-round-late rows (the swarm's arithmetic without the network)")
@@ -401,8 +404,7 @@ def swarm_rows(args, out: Path | None) -> list[tuple[str, float, int, str]]:
     full = sum(len(re.findall(rf"averaged with {args.peers - 1} peer", log)) for log in logs) / args.peers
     rounds = sum(len(re.findall(r"round \d+: averaged", log)) for log in logs) / args.peers
     resyncs = sum(len(re.findall(r"back in step with the swarm", log)) for log in logs)
-    feedback = "with" if args.error_feedback else "no"
-    name = f"swarm, 1-bit async, {feedback} error feedback, outer lr {args.outer_lr} ({args.peers} processes)"
+    name = f"swarm, 1-bit async, error feedback {args.error_feedback}, outer lr {args.outer_lr} ({args.peers} processes)"
     notes = (f"{full:.1f} of {rounds:.1f} rounds/peer with all {args.peers}, {args.steps / max(rounds, 1):.0f} "
              f"steps/round, {resyncs} state re-downloads, global weights {'identical' if identical else 'differ'}")
     return [

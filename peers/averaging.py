@@ -4,7 +4,8 @@ One round, seen from a peer (all of it in the averager's child process; packing 
 
 1. **Send, with error feedback.** The peer packs `pseudo_gradient + residual` to signs and block scales
    (`OneBitCodec`) and keeps in `residual` what did not fit; the residual lives in shared memory so it
-   survives from round to round across the process boundary.
+   survives from round to round across the process boundary. With `residual_carry < 1` only that share of
+   it is carried into the next round (a damped residual: see the parameter).
 2. **Reduce, with validation.** hivemind's butterfly all-reduce makes each peer the reducer of one span.
    A reducer decodes every contribution and drops the sender for the round if it is not a well-formed 1-bit
    tensor of the expected shape, is not finite, carries a non-positive weight, or has a norm above
@@ -201,6 +202,10 @@ class SwarmAverager(DecentralizedAverager):
     :param max_norm_ratio: a contribution whose part norm exceeds this multiple of the reducer's own is dropped
       (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`, where it trained on more)
     :param sender_error_feedback: keep what this peer's 1-bit message could not carry and add it next round
+    :param residual_carry: the share of a delivered round's residual the sender carries into its next round
+      (1.0: plain error feedback). 0.5 cost no loss from a cold start, where full feedback cost 2-3 points of
+      validation loss, and beat both full and no feedback later in a run (benchmarks/RESULTS.md). Spans no
+      reducer averaged are owed in full whatever the carry, like a failed round.
     :param reducer_error_feedback: the same for the averages this peer sends back for its span. Off by
       default: on a small DiLoCo problem it cost +22% validation loss, while sender-only feedback with a plain
       1-bit return trip stayed within 1% of uncompressed averaging (benchmarks/RESULTS.md)
@@ -224,6 +229,7 @@ class SwarmAverager(DecentralizedAverager):
         codec: Optional[OneBitCodec] = None,
         max_norm_ratio: float = 100.0,
         sender_error_feedback: bool = True,
+        residual_carry: float = 1.0,
         reducer_error_feedback: bool = False,
         state_source: Optional[Callable[[], tuple[Any, Sequence[torch.Tensor]]]] = None,
         start: bool = True,
@@ -239,7 +245,10 @@ class SwarmAverager(DecentralizedAverager):
             raise ValueError(f"part_size_bytes={part_size_bytes} does not hold a whole number of blocks")
         self.round_timeout, self.max_norm_ratio = round_timeout, max_norm_ratio
         self.matchmaking_time = matchmaking_time
+        if not 0.0 <= residual_carry <= 1.0:
+            raise ValueError(f"residual_carry must be in [0, 1], got {residual_carry}")
         self.sender_error_feedback, self.reducer_error_feedback = sender_error_feedback, reducer_error_feedback
+        self.residual_carry = residual_carry
         self._state_source = state_source
 
         sizes = [t.numel() for t in template]
@@ -515,8 +524,7 @@ class SwarmAverager(DecentralizedAverager):
             raise
         self._outgoing = None
         if self.sender_error_feedback:
-            for start, end in runner.lost_spans:  # what no reducer averaged is still owed
-                self._sender_residual[start:end] += sent[start:end]
+            self._keep_residual_owed(sent, runner.lost_spans)
         for tensor, average in zip(tensors, averaged):
             tensor.copy_(average)
 
@@ -547,6 +555,15 @@ class SwarmAverager(DecentralizedAverager):
                 signs, scales = pack(tensor, block)
             out.copy_(unpack(signs, scales, tensor.numel(), block).view(tensor.shape))
         return sent
+
+    def _keep_residual_owed(self, sent: torch.Tensor, lost_spans: Sequence[tuple[int, int]]) -> None:
+        """After a delivered round: what no reducer averaged is owed in full (everything this peer meant to
+        send there), the rest of the residual by `residual_carry`."""
+        lost = [(start, end, self._sender_residual[start:end] + sent[start:end]) for start, end in lost_spans]
+        if self.residual_carry != 1.0:
+            self._sender_residual.mul_(self.residual_carry)
+        for start, end, owed in lost:
+            self._sender_residual[start:end] = owed
 
     def _undo_error_feedback(self, sent: torch.Tensor) -> None:
         # The round failed, so nothing was sent: restore the residual to its value before packing.

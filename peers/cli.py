@@ -59,9 +59,9 @@ def add_join_parser(commands) -> None:
     swarm.add_argument("--averaging-timeout", type=float, default=30.0, metavar="S",
                        help="a round that finds no group in S seconds is applied alone (default: 30; with no "
                        "other peer training, after two matchmaking windows)")
-    swarm.add_argument("--error-feedback", action="store_true",
-                       help="keep what each 1-bit message could not carry and add it to the next round's (off by "
-                       "default: at 100-200 inner steps it converged worse)")
+    swarm.add_argument("--error-feedback", nargs="?", const="full", default="damped", choices=("off", "damped", "full"),
+                       help="what a 1-bit update could not carry: 'off' drops it, 'full' (the flag alone) adds it "
+                       "to the next round's, 'damped' adds half of it (default: %(default)s)")
     swarm.add_argument("--threads", type=int, metavar="N",
                        help="CPU threads for this peer's tensor math (CPU training, offloaded optimizer, packing "
                        "updates). Default: $OMP_NUM_THREADS if set, else this machine's cores divided by the "

@@ -59,6 +59,11 @@ DEFAULT_INNER_STEPS = 200  # ~3000x less traffic than a per-step bf16 gradient a
 # smaller effective outer step (lr / (1 - momentum): 3.3 against 7) (benchmarks/RESULTS.md).
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.7
+# The share of its 1-bit residual a peer carries into its next round, per --error-feedback (None: no residual).
+# Full feedback cost 1-3 points of val loss from a cold start and won 0.1-0.9 later in a run; half of it was
+# level with no feedback from a cold start and the best of the three later in a run (benchmarks/RESULTS.md).
+ERROR_FEEDBACK_CARRY = {"off": None, "damped": 0.5, "full": 1.0}
+DEFAULT_ERROR_FEEDBACK = "damped"
 STATE_DOWNLOAD_ATTEMPTS = 3
 INTERRUPTED = "tscale-peer: interrupted; the last checkpoint written stays valid"
 
@@ -78,8 +83,9 @@ class JoinOptions:
     threads: int | None = None  # CPU threads for torch; None: `default_threads()`
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
-    # keep what a 1-bit message could not carry and send it next round; off: at H=100-200 it cost 2.5-4% val loss
-    error_feedback: bool = False
+    # what a 1-bit message could not carry: "off" drops it, "full" sends it next round, "damped" sends half of it
+    # (ERROR_FEEDBACK_CARRY)
+    error_feedback: str = DEFAULT_ERROR_FEEDBACK
     init_from: str | None = None  # a checkpoint to start from instead of the run's initial weights
     publish_every_s: float = 5.0
 
@@ -192,7 +198,8 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             prefix=averaging_prefix(options.run_id),
             matchmaking_time=options.matchmaking_time,
             round_timeout=options.averaging_timeout,
-            sender_error_feedback=options.error_feedback,
+            sender_error_feedback=ERROR_FEEDBACK_CARRY[options.error_feedback] is not None,
+            residual_carry=ERROR_FEEDBACK_CARRY[options.error_feedback] or 1.0,
             state_source=state_source,
             client_mode=client_mode,
             allow_state_sharing=False,  # switched on once this peer holds the swarm's state
