@@ -203,8 +203,8 @@ class SwarmAverager(DecentralizedAverager):
       (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`, where it trained on more)
     :param sender_error_feedback: keep what this peer's 1-bit message could not carry and add it next round
     :param residual_carry: the share of a delivered round's residual the sender carries into its next round
-      (1.0: plain error feedback). 0.5 cost no loss from a cold start, where full feedback cost 2-3 points of
-      validation loss, and beat both full and no feedback later in a run (benchmarks/RESULTS.md). Spans no
+      (1.0: plain error feedback). 0.5 ended level with no feedback from a cold start, where full feedback
+      cost 1-3 points of validation loss, and ahead of both later in a run (benchmarks/RESULTS.md). Spans no
       reducer averaged are owed in full whatever the carry, like a failed round.
     :param reducer_error_feedback: the same for the averages this peer sends back for its span. Off by
       default: on a small DiLoCo problem it cost +22% validation loss, while sender-only feedback with a plain

@@ -60,8 +60,8 @@ DEFAULT_INNER_STEPS = 200  # ~3000x less traffic than a per-step bf16 gradient a
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.7
 # The share of its 1-bit residual a peer carries into its next round, per --error-feedback (None: no residual).
-# Full feedback cost 1-3 points of val loss from a cold start and won 0.1-0.9 later in a run; half of it was
-# level with no feedback from a cold start and the best of the three later in a run (benchmarks/RESULTS.md).
+# Full feedback cost 1-3 points of val loss from a cold start and won up to 0.9 later in a run on the H200;
+# half of it was level with none from a cold start and the best of the three later in a run (benchmarks/RESULTS.md).
 ERROR_FEEDBACK_CARRY = {"off": None, "damped": 0.5, "full": 1.0}
 DEFAULT_ERROR_FEEDBACK = "damped"
 STATE_DOWNLOAD_ATTEMPTS = 3
