@@ -201,12 +201,12 @@ class SwarmAverager(DecentralizedAverager):
     :param codec: the 1-bit codec (its block size travels on the wire)
     :param max_norm_ratio: a contribution whose part norm exceeds this multiple of the reducer's own is dropped
       (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`, where it trained on more)
-    :param sender_error_feedback: keep what this peer's 1-bit message could not carry and add it next round
-    :param residual_carry: the share of a delivered round's residual the sender carries into its next round
-      (1.0: plain error feedback). 0.5 ended level with no feedback from a cold start, where full feedback
-      cost 1-3 points of validation loss, and ahead of both later in a run (benchmarks/RESULTS.md). Spans no
-      reducer averaged are owed in full whatever the carry, like a failed round.
-    :param reducer_error_feedback: the same for the averages this peer sends back for its span. Off by
+    :param residual_carry: sender error feedback: the share of what this peer's 1-bit message could not carry
+      that it adds to its next round's (1.0: plain error feedback; None: nothing kept). 0.5 ended level with
+      no feedback from a cold start, where full feedback cost 1-3 points of validation loss, and ahead of both
+      later in a run (benchmarks/RESULTS.md). Spans no reducer averaged are owed in full whatever the carry,
+      like a failed round.
+    :param reducer_error_feedback: full error feedback for the averages this peer sends back for its span. Off by
       default: on a small DiLoCo problem it cost +22% validation loss, while sender-only feedback with a plain
       1-bit return trip stayed within 1% of uncompressed averaging (benchmarks/RESULTS.md)
     :param state_source: called (in this process) when a joiner downloads state: returns (metadata, tensors);
@@ -228,8 +228,7 @@ class SwarmAverager(DecentralizedAverager):
         target_group_size: Optional[int] = None,
         codec: Optional[OneBitCodec] = None,
         max_norm_ratio: float = 100.0,
-        sender_error_feedback: bool = True,
-        residual_carry: float = 1.0,
+        residual_carry: Optional[float] = 1.0,
         reducer_error_feedback: bool = False,
         state_source: Optional[Callable[[], tuple[Any, Sequence[torch.Tensor]]]] = None,
         start: bool = True,
@@ -245,10 +244,9 @@ class SwarmAverager(DecentralizedAverager):
             raise ValueError(f"part_size_bytes={part_size_bytes} does not hold a whole number of blocks")
         self.round_timeout, self.max_norm_ratio = round_timeout, max_norm_ratio
         self.matchmaking_time = matchmaking_time
-        if not 0.0 <= residual_carry <= 1.0:
-            raise ValueError(f"residual_carry must be in [0, 1], got {residual_carry}")
-        self.sender_error_feedback, self.reducer_error_feedback = sender_error_feedback, reducer_error_feedback
-        self.residual_carry = residual_carry
+        if residual_carry is not None and not 0.0 <= residual_carry <= 1.0:
+            raise ValueError(f"residual_carry must be in [0, 1] or None, got {residual_carry}")
+        self.residual_carry, self.reducer_error_feedback = residual_carry, reducer_error_feedback
         self._state_source = state_source
 
         sizes = [t.numel() for t in template]
@@ -523,7 +521,7 @@ class SwarmAverager(DecentralizedAverager):
             self._undo_error_feedback(sent)
             raise
         self._outgoing = None
-        if self.sender_error_feedback:
+        if self.residual_carry is not None:
             self._keep_residual_owed(sent, runner.lost_spans)
         for tensor, average in zip(tensors, averaged):
             tensor.copy_(average)
@@ -549,7 +547,7 @@ class SwarmAverager(DecentralizedAverager):
         block = self.codec.block_size
         tensors = self._averaged_tensors  # start_round wrote them; no round, no writer, until this one ends
         for tensor, residual, out in zip(tensors, self._split(self._sender_residual), self._split(sent)):
-            if self.sender_error_feedback:
+            if self.residual_carry is not None:
                 signs, scales = error_feedback_pack(tensor, residual, block)
             else:
                 signs, scales = pack(tensor, block)
@@ -567,7 +565,7 @@ class SwarmAverager(DecentralizedAverager):
 
     def _undo_error_feedback(self, sent: torch.Tensor) -> None:
         # The round failed, so nothing was sent: restore the residual to its value before packing.
-        if self.sender_error_feedback:
+        if self.residual_carry is not None:
             self._sender_residual.add_(sent).sub_(self._flat)
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:

@@ -198,8 +198,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             prefix=averaging_prefix(options.run_id),
             matchmaking_time=options.matchmaking_time,
             round_timeout=options.averaging_timeout,
-            sender_error_feedback=ERROR_FEEDBACK_CARRY[options.error_feedback] is not None,
-            residual_carry=ERROR_FEEDBACK_CARRY[options.error_feedback] or 1.0,
+            residual_carry=ERROR_FEEDBACK_CARRY[options.error_feedback],
             state_source=state_source,
             client_mode=client_mode,
             allow_state_sharing=False,  # switched on once this peer holds the swarm's state
