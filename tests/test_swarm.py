@@ -147,10 +147,9 @@ def disturbed_rounds(log: str) -> set[int]:
     return {int(number) for number in lost + out_of_step}
 
 
-def rounds_together(peers: list[Process], histories: list[dict], among: set[int]) -> list[int]:
+def rounds_together(histories: list[dict], disturbed: set[int], among: set[int]) -> list[int]:
     """The rounds of `among` that every peer averaged with all the others and none reports as disturbed."""
-    disturbed = set().union(*(disturbed_rounds(peer.output()) for peer in peers))
-    return [r for r in sorted(among - disturbed) if all(history[r][0] == len(peers) - 1 for history in histories)]
+    return [r for r in sorted(among - disturbed) if all(history[r][0] == len(histories) - 1 for history in histories)]
 
 
 def stop_all(peers: list[Process], timeout: float = 60) -> None:
@@ -181,18 +180,22 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
     deadline = time.monotonic() + 100
     while True:
         histories = [rounds(peer.output()) for peer in peers]
+        disturbed = set().union(*(disturbed_rounds(peer.output()) for peer in peers))
         ended_by_all = set.intersection(*(set(history) for history in histories))
-        together = rounds_together(peers, histories, ended_by_all)
+        together = rounds_together(histories, disturbed, ended_by_all)
         if len(together) >= 2 or time.monotonic() > deadline or any(p.popen.poll() is not None for p in peers):
             break
         time.sleep(0.5)
     stop_all(peers)
     histories = [rounds(peer.output()) for peer in peers]
     disturbed = set().union(*(disturbed_rounds(peer.output()) for peer in peers))
-    together = rounds_together(peers, histories, ended_by_all)
+    together = rounds_together(histories, disturbed, ended_by_all)
     assert len(together) >= 2, (disturbed, histories, [peer.summary() for peer in peers])
+    # ... and up to the first disturbed round, every round ended the same way on every peer.
+    clean = [r for r in sorted(ended_by_all) if r < min(disturbed, default=float("inf"))]
     for history in histories[1:]:
         assert [history[r] for r in together] == [histories[0][r] for r in together], histories
+        assert [history[r] for r in clean] == [histories[0][r] for r in clean], histories
     if not disturbed:  # peers that applied the same averages saved the same shared weights
         for (name, history), (other, other_history) in itertools.combinations(zip(names, histories), 2):
             if history == other_history:
