@@ -10,7 +10,8 @@ Two kernels share the tile scheduling and the epilogue:
   descriptors, for Hopper and newer (compute capability >= 9.0) when strides are 16-byte aligned.
 * `_scaled_mm_kernel`: one program per output tile with plain pointer loads, for Ampere/Ada and any shape.
 Autotune configurations are pruned to the running device's class (Hopper's 228 KB of shared memory allows
-128x256x128 tiles; consumer cards get smaller ones); under TRITON_INTERPRET one small config is used.
+128x256x128 tiles, whose fp32 output (the weight gradient) the TMA kernel stores in two halves to fit; consumer
+cards get smaller ones); under TRITON_INTERPRET one small config is used.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ _CONSUMER = "consumer"
 _INTERPRET = "interpret"
 
 
-def _config(kind, bm, bn, bk, stages, warps, group_m=8):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
+def _config(kind, bm, bn, bk, stages, warps, group_m=8, subtile=False):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "SUBTILE": subtile},
                          num_stages=stages, num_warps=warps, pre_hook=_set_descriptor_blocks), kind
 
 
@@ -39,11 +40,13 @@ def _set_descriptor_blocks(nargs):
         bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
         nargs["a_desc"].block_shape = [bm, bk]
         nargs["b_desc"].block_shape = [bn, bk]
-        nargs["c_desc"].block_shape = [bm, bn]
+        nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["SUBTILE"] else bn]
 
 
 _TAGGED_CONFIGS = [
     _config(_HOPPER, 128, 256, 128, 3, 8),
+    # The same tile storing its output in two halves: the only way it fits beside an fp32 output (wgrad).
+    _config(_HOPPER, 128, 256, 128, 3, 8, subtile=True),
     _config(_HOPPER, 128, 128, 128, 4, 8),
     _config(_HOPPER, 128, 256, 64, 4, 8),
     _config(_HOPPER, 64, 256, 128, 4, 4),
@@ -52,7 +55,7 @@ _TAGGED_CONFIGS = [
     _config(_CONSUMER, 128, 128, 64, 3, 8),
     _config(_CONSUMER, 128, 64, 128, 3, 4),
     _config(_CONSUMER, 64, 128, 64, 4, 4),
-    _config(_INTERPRET, 32, 32, 32, 1, 4, group_m=2),
+    _config(_INTERPRET, 32, 32, 32, 1, 4, group_m=2, subtile=True),
 ]
 _CONFIGS = [c for c, _ in _TAGGED_CONFIGS]
 
@@ -74,6 +77,8 @@ def _prune_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     kind = _device_class()
     kept = [c for c, k in _TAGGED_CONFIGS if k == kind and c in configs]
+    if "a_desc" not in args and kind != _INTERPRET:  # the pointer kernel stores whole tiles: no subtiled twins
+        kept = [c for c in kept if not c.kwargs["SUBTILE"]]
     if args.get("GROUP_K", 0):  # K blocks must not straddle a scale tile
         kept = [c for c in kept if TILE % c.kwargs["BLOCK_K"] == 0]
     if kind != _INTERPRET:
@@ -84,7 +89,8 @@ def _prune_configs(configs, named_args, **kwargs):
 
         def smem(c):
             bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-            return c.num_stages * (bm + bn) * bk + bm * bn * args["OUT_BYTES"]
+            epilogue = bm * bn * args["OUT_BYTES"] // (2 if c.kwargs["SUBTILE"] else 1)
+            return c.num_stages * (bm + bn) * bk + epilogue
 
         fitting = [c for c in kept if smem(c) <= limit]
         kept = fitting or [min(kept, key=smem)]
@@ -156,7 +162,8 @@ def _mma(a, b, acc, sa_ptr, sb_ptr, offs_m, offs_n, k_start, M, N, stride_sa, st
 def _scaled_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
                       stride_cm, stride_cn, stride_sa, stride_sb, GROUP_K: tl.constexpr, ACC_DTYPE: tl.constexpr,
                       OUT_BYTES: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      SUBTILE: tl.constexpr):  # SUBTILE: shared configs; this kernel stores whole tiles
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
@@ -187,7 +194,7 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K, strid
                           GROUP_K: tl.constexpr, ACC_DTYPE: tl.constexpr, OUT_BYTES: tl.constexpr,
                           NUM_SMS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr):
+                          GROUP_M: tl.constexpr, SUBTILE: tl.constexpr):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -210,7 +217,12 @@ def _scaled_mm_tma_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K, strid
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         c = _row_scaled(acc, sa_ptr, sb_ptr, offs_m, offs_n, M, N, GROUP_K)
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c.to(c_desc.dtype))
+        if SUBTILE:  # two stores of BLOCK_N / 2 columns: half the shared memory staging the output
+            left, right = tl.split(tl.permute(tl.reshape(c, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(c_desc.dtype))
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(c_desc.dtype))
+        else:
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c.to(c_desc.dtype))
 
 
 @functools.lru_cache(maxsize=None)
