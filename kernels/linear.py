@@ -8,7 +8,8 @@ Every matmul contracts along the last axis of both quantized operands, with one 
 
 The weight gradient reuses the forward's quantized X: its per-token scales sx vary along the contraction, so
 they are folded into dY (dW[n, k] = sum_m dY[m, n] sx[m] Xq[m, k]) and Xq only needs a byte transpose. So the
-forward reads X once, and the backward keeps X in fp8/int8 (a quarter of an fp32 activation).
+forward reads X once, and the backward keeps X in fp8/int8 (a quarter of an fp32 activation). The transposed
+(dY * sx)^T is re-quantized from the row-quantized dY, so dY is quantized once from bf16 and read back as bytes.
 
 The master weight stays a full-precision nn.Parameter; its two quantized copies are cached and rebuilt only
 when the parameter may have changed (after an optimizer step, or when its version counter moves), i.e. once
@@ -18,9 +19,9 @@ The matmuls are torch custom ops inside an autograd Function, so torch.compile t
 these layers (no graph breaks: the reshapes and copies around them fuse into the compiled kernels) while the
 Triton launches and the weight cache stay opaque Python. Each layer's cache is found through an integer id,
 which the compiler treats as a constant of the call site. In a compiled graph the per-token quantization of
-the input, and in the backward of dY (with dY's column amax for the weight gradient), are plain torch ops, which
-the compiler fuses into the kernels that produce those tensors (the norm, the activation, their backward):
-the bf16 input then never goes to memory and back, and dY needs no separate pass for its row scales.
+the input, and in the backward of dY, are plain torch ops, which the compiler fuses into the kernels that produce
+those tensors (the norm, the activation, their backward): neither the bf16 input nor the bf16 dY then goes to
+memory and back.
 """
 
 from __future__ import annotations
@@ -105,26 +106,24 @@ def _quantize_input(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.library.custom_op("tscale::quantized_linear_backward", mutates_args=())
-def quantized_linear_backward(g2: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor,
+def quantized_linear_backward(g2: torch.Tensor | None, x_q: torch.Tensor, x_s: torch.Tensor, weight: torch.Tensor,
                               cache_id: int, fmt: str, grad_fmt: str, stochastic_grad: bool, need_x: bool,
                               need_w: bool, x_dtype: torch.dtype, g_q: torch.Tensor | None = None,
-                              g_s: torch.Tensor | None = None,
-                              col_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dX [M, K], dW) of a quantized linear layer from dY as `g2` [M, N]; an empty tensor for the one not needed.
+                              g_s: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX [M, K], dW) of a quantized linear layer from dY [M, N]; an empty tensor for the one not needed.
 
-    dY's row-quantized copy (`g_q`, `g_s`) and, for dW, the column amax of dY * x_s may come precomputed (see
-    `_quantize_grad`); otherwise one kernel pass makes them here.
+    dY comes either as `g2` (quantized per row here) or already quantized per row as `g_q`, `g_s` (see
+    `_quantize_grad`).
     """
     gf = FORMATS[grad_fmt]
-    grad_x = grad_w = g2.new_empty(0)
     if g_q is None:
-        if need_w:
-            g_q, g_s, col_amax = quantize_rows(g2, gf, stochastic=stochastic_grad, col_amax=True, row_mul=x_s)
-        else:
-            g_q, g_s = quantize_rows(g2, gf, stochastic=stochastic_grad)
+        g_q, g_s = quantize_rows(g2, gf, stochastic=stochastic_grad)
+    grad_x = grad_w = x_s.new_empty(0)
     if need_w:
-        # wgrad contracts over tokens: dY * sx transposed, one scale per column of dY
-        g_q_t, g_s_t = quantize_cols_t(g2, gf, stochastic=stochastic_grad, col_amax=col_amax, row_mul=x_s)
+        # wgrad contracts over tokens: (dY * sx)^T, one scale per column of dY. It is re-quantized from the
+        # row-quantized dY (dY ~= g_q * g_s): 1 byte an element to read instead of 2, and in a compiled graph
+        # dY itself then never goes to memory, at the cost of a second rounding of the wgrad operand.
+        g_q_t, g_s_t = quantize_cols_t(g_q, gf, stochastic=stochastic_grad, row_mul=g_s * x_s)
         ones = torch.ones(x_q.shape[1], dtype=torch.float32, device=x_q.device)
         grad_w = scaled_mm(g_q_t, transpose(x_q), g_s_t, ones, out_dtype=torch.float32).to(weight.dtype)
     if need_x:
@@ -135,21 +134,20 @@ def quantized_linear_backward(g2: torch.Tensor, x_q: torch.Tensor, x_s: torch.Te
 
 @quantized_linear_backward.register_fake
 def _(g2, x_q, x_s, weight, cache_id, fmt, grad_fmt, stochastic_grad, need_x, need_w, x_dtype, g_q=None,
-      g_s=None, col_amax=None):
-    grad_x = g2.new_empty((g2.shape[0], weight.shape[1]), dtype=x_dtype) if need_x else g2.new_empty(0)
-    grad_w = weight.new_empty(weight.shape) if need_w else g2.new_empty(0)
+      g_s=None):
+    m = (g2 if g2 is not None else g_q).shape[0]
+    grad_x = x_s.new_empty((m, weight.shape[1]), dtype=x_dtype) if need_x else x_s.new_empty(0)
+    grad_w = weight.new_empty(weight.shape) if need_w else x_s.new_empty(0)
     return grad_x, grad_w
 
 
-def _quantize_grad(g2: torch.Tensor, x_s: torch.Tensor, grad_fmt: str, stochastic: bool, need_w: bool) -> dict:
-    """Inside a compiled graph, dY's row quantization and (for dW) its column amax of dY * x_s as torch ops,
-    which the compiler fuses into the kernels that produce dY (the norm's and the activation's backward, the
-    attention gradients' concatenation); empty elsewhere, and for stochastic rounding (kernel only)."""
+def _quantize_grad(g2: torch.Tensor, grad_fmt: str, stochastic: bool):
+    """(dY, None, None), or inside a compiled graph (None, q, scale): dY's row quantization as torch ops, which
+    the compiler fuses into the kernels that produce dY (the norm's and the activation's backward, the attention
+    gradients' concatenation), so dY itself is never written. Stochastic rounding is kernel only."""
     if stochastic or not torch.compiler.is_compiling():
-        return {}
-    g_q, g_s = quantize_rows_torch(g2, grad_fmt)
-    col_amax = (g2.float().abs() * x_s[:, None]).amax(dim=0) if need_w else None  # x_s >= 0
-    return {"g_q": g_q, "g_s": g_s, "col_amax": col_amax}
+        return g2, None, None
+    return None, *quantize_rows_torch(g2, grad_fmt)
 
 
 class _QuantizedLinearFunction(torch.autograd.Function):
@@ -170,9 +168,9 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         x_q, x_s, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g2 = _as_2d(grad_y)
-        grad_x, grad_w = quantized_linear_backward(
-            g2, x_q, x_s, weight, ctx.cache_id, ctx.fmt, ctx.grad_fmt, ctx.stochastic_grad, need_x, need_w,
-            ctx.x_dtype, **_quantize_grad(g2, x_s, ctx.grad_fmt, ctx.stochastic_grad, need_w))
+        dy, g_q, g_s = _quantize_grad(g2, ctx.grad_fmt, ctx.stochastic_grad)
+        grad_x, grad_w = quantized_linear_backward(dy, x_q, x_s, weight, ctx.cache_id, ctx.fmt, ctx.grad_fmt,
+                                                   ctx.stochastic_grad, need_x, need_w, ctx.x_dtype, g_q, g_s)
         grad_x = grad_x.view(*grad_y.shape[:-1], -1) if need_x else None
         return grad_x, (grad_w if need_w else None), None, None, None, None, None
 

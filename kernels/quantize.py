@@ -5,11 +5,9 @@ of a linear layer's three matmuls (all of them contract along the last axis of b
 layout the tensor cores want):
 
 * `quantize_rows(x)`: q has x's shape [M, K]; one scale per row (`group=None`), or one per row and
-  128-element tile along K (`group=128`, scale shape [M, ceil(K/128)]). Optionally also returns the
-  per-column amax, gathered in the same pass (one partial row per program, reduced by torch), for the
-  transposed copy below.
-* `quantize_cols_t(x)`: q is x transposed, [K, M]; one scale per column of x (from the column amax of a
-  previous `quantize_rows` pass), or one per column and 128-row tile (`group=128`, computed in this pass).
+  128-element tile along K (`group=128`, scale shape [M, ceil(K/128)]).
+* `quantize_cols_t(x)`: q is x transposed, [K, M]; one scale per column of x (column maxima from a first
+  pass), or one per column and 128-row tile (`group=128`, computed in the one pass).
 * `quantize_with_transpose(x)`: both of the above with one scale per row and per column (a weight's two
   layouts), from two passes over 2-D tiles instead of the row pass and the transposed pass.
 
@@ -108,35 +106,19 @@ def _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, rowmul_ptr, M, K, stride_xm, stride_xk, stride_qm,
-                          stride_sm, seed, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_sm, seed,
+                          QMAX: tl.constexpr, IS_INT: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                           MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr, EMULATE_CAST: tl.constexpr,
-                          COL_AMAX: tl.constexpr, ROW_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    col_amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for i in range(ROW_BLOCKS):
-        rows = (pid_m * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :] * stride_xk, mask=mask,
-                    other=0.0).to(tl.float32)
-        ax = tl.abs(x)
-        amax = tl.max(ax, axis=1)
-        scale = _scale_of(amax, QMAX)
-        offsets = rows[:, None] * K + cols[None, :]
-        q = _scale_and_cast(x, scale[:, None], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP,
-                            STOCHASTIC, EMULATE_CAST, q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=mask)
-        tl.store(s_ptr + rows * stride_sm + pid_k, scale, mask=rows < M)
-        if COL_AMAX:
-            if ROW_MUL:  # the column amax of x * row_mul[:, None] (what quantize_cols_t will cast)
-                ax = ax * tl.abs(tl.load(rowmul_ptr + rows, mask=rows < M, other=0.0))[:, None]
-            col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
-    if COL_AMAX:
-        # One partial row per program, reduced by the caller: deterministic, and no atomics on hot addresses.
-        tl.store(colmax_ptr + pid_m.to(tl.int64) * K + cols, col_amax, mask=cols < K)
+    x, rows, cols, mask = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
+    scale = _scale_of(tl.max(tl.abs(x), axis=1), QMAX)
+    offsets = rows[:, None] * K + cols[None, :]
+    q = _scale_and_cast(x, scale[:, None], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, STOCHASTIC,
+                        EMULATE_CAST, q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + rows * stride_sm + pid_k, scale, mask=rows < M)
 
 
 @triton.jit
@@ -167,16 +149,26 @@ def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, rowmul_ptr, M, K, s
 
 
 @triton.jit
-def _abs_max_kernel(x_ptr, row_amax_ptr, col_amax_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    """Each program's tile raises row_amax[rows] and col_amax[cols] (zero-initialised) to its own maxima."""
-    pid_m = tl.program_id(0)
+def _abs_max_kernel(x_ptr, rowmul_ptr, row_amax_ptr, col_amax_ptr, M, K, stride_xm, stride_xk,
+                    ROW_MUL: tl.constexpr, ROW_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ROW_BLOCKS: tl.constexpr):
+    """Each program's ROW_BLOCKS tiles, stacked along M, of x (times rowmul[:, None] if ROW_MUL) raise
+    col_amax[cols] and, if ROW_AMAX, row_amax[rows] (zero-initialised) to their maxima."""
     pid_k = tl.program_id(1)
-    x, rows, cols, _ = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
-    ax = tl.abs(x)
-    # A max is the same in any order, so the atomics keep the result deterministic.
-    tl.atomic_max(row_amax_ptr + rows, tl.max(ax, axis=1), mask=rows < M)
-    tl.atomic_max(col_amax_ptr + cols, tl.max(ax, axis=0), mask=cols < K)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for i in range(ROW_BLOCKS):
+        x, rows, _, _ = _load_tile(x_ptr, tl.program_id(0) * ROW_BLOCKS + i, pid_k, M, K, stride_xm, stride_xk,
+                                      BLOCK_M, BLOCK_K)
+        if ROW_MUL:
+            x = x * tl.load(rowmul_ptr + rows, mask=rows < M, other=0.0)[:, None]
+        ax = tl.abs(x)
+        # A max is the same in any order, so the atomics keep the result deterministic.
+        if ROW_AMAX:
+            tl.atomic_max(row_amax_ptr + rows, tl.max(ax, axis=1), mask=rows < M)
+        col_max = tl.maximum(col_max, tl.max(ax, axis=0))
+    # One atomic per column and program: many programs raising the same addresses would serialize.
+    tl.atomic_max(col_amax_ptr + cols, col_max, mask=cols < K)
 
 
 @triton.jit
@@ -232,12 +224,9 @@ def _emulate_cast() -> bool:
 
 
 def quantize_rows(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None,
-                  stochastic: bool = False, col_amax: bool = False, row_mul: torch.Tensor | None = None):
-    """Quantize a 2-D tensor with one scale per row (group=None) or per row and 128-wide tile (group=128).
-
-    Returns (q, scale) or, with col_amax=True, (q, scale, amax of each column of x in fp32); with `row_mul`
-    ([M] fp32) that amax is the one of x * row_mul[:, None], for `quantize_cols_t(..., row_mul=row_mul)`.
-    """
+                  stochastic: bool = False):
+    """Quantize a 2-D tensor with one scale per row (group=None) or per row and 128-wide tile (group=128):
+    (q, scale), scale of shape [M] or [M, ceil(K/128)]."""
     _check_group(group)
     f = _format(fmt)
     M, K = x.shape
@@ -248,48 +237,44 @@ def quantize_rows(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int |
     else:
         block_k = TILE
     block_m = max(1, min(64, 8192 // block_k))
-    # With column amax, each program covers ~32 rows so that the partial maxima it writes stay small.
-    row_blocks = max(1, 32 // block_m) if col_amax else 1
     n_groups = triton.cdiv(K, block_k)
-    n_row_programs = triton.cdiv(M, block_m * row_blocks)
     q = torch.empty((M, K), dtype=f.dtype, device=x.device)
     scale = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
-    partial = torch.empty((n_row_programs, K) if col_amax else (1,), dtype=torch.float32, device=x.device)
-    _quantize_rows_kernel[(n_row_programs, n_groups)](
-        x, q, scale, partial, row_mul if row_mul is not None else scale, M, K, x.stride(0), x.stride(1),
-        q.stride(0), scale.stride(0), _seed(stochastic),
+    _quantize_rows_kernel[(triton.cdiv(M, block_m), n_groups)](
+        x, q, scale, M, K, x.stride(0), x.stride(1), q.stride(0), scale.stride(0), _seed(stochastic),
         QMAX=f.max_value, IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits, MIN_NORMAL_EXP=f.min_normal_exp,
-        STOCHASTIC=stochastic, EMULATE_CAST=_emulate_cast(), COL_AMAX=col_amax,
-        ROW_MUL=col_amax and row_mul is not None, BLOCK_M=block_m,
-        BLOCK_K=block_k, ROW_BLOCKS=row_blocks, num_warps=8 if block_m * block_k >= 4096 else 4)
-    if group is None:
-        scale = scale[:, 0]
-    return (q, scale, partial.amax(dim=0)) if col_amax else (q, scale)
+        STOCHASTIC=stochastic, EMULATE_CAST=_emulate_cast(), BLOCK_M=block_m, BLOCK_K=block_k,
+        num_warps=8 if block_m * block_k >= 4096 else 4)
+    return q, (scale[:, 0] if group is None else scale)
 
 
 def quantize_cols_t(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int | None = None,
-                    stochastic: bool = False, col_amax: torch.Tensor | None = None,
-                    row_mul: torch.Tensor | None = None):
+                    stochastic: bool = False, row_mul: torch.Tensor | None = None):
     """Quantize x [M, K] (times `row_mul[:, None]` if given) into its transpose [K, M], scaled per column of x
     (per row of the result).
 
-    group=None needs `col_amax` from `quantize_rows(x, col_amax=True, row_mul=row_mul)`; the scale has shape
-    [K]. group=128 computes one scale per column and 128-row tile in this pass; the scale has shape
-    [K, ceil(M/128)].
+    group=None: one scale per column, shape [K], from a first pass over x for the column maxima. group=128: one
+    scale per column and 128-row tile, computed in the one pass; shape [K, ceil(M/128)].
+    x may itself be quantized (fp8 or int8, with its scales folded into `row_mul`): that is how the weight
+    gradient's operand is made from the row-quantized dY, reading one byte an element.
     """
     _check_group(group)
     f = _format(fmt)
     M, K = x.shape
     tiles = group is not None
-    if not tiles and col_amax is None:
-        raise ValueError("quantize_cols_t with one scale per column needs col_amax from quantize_rows")
     q = torch.empty((K, M), dtype=f.dtype, device=x.device)
     block_m, block_k = (TILE, 64) if tiles else (64, 128)
     scale = torch.empty((K, triton.cdiv(M, TILE)) if tiles else (K, 1), dtype=torch.float32, device=x.device)
-    colmax = col_amax if col_amax is not None else scale
+    row_mul_arg = row_mul if row_mul is not None else scale
+    if not tiles:
+        col_amax = torch.zeros(K, dtype=torch.float32, device=x.device)
+        row_blocks = 16  # 1024 rows a program: few atomics per column
+        _abs_max_kernel[(triton.cdiv(M, block_m * row_blocks), triton.cdiv(K, block_k))](
+            x, row_mul_arg, col_amax, col_amax, M, K, x.stride(0), x.stride(1), ROW_MUL=row_mul is not None,
+            ROW_AMAX=False, BLOCK_M=block_m, BLOCK_K=block_k, ROW_BLOCKS=row_blocks, num_warps=4)
     grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
     _quantize_cols_t_kernel[grid](
-        x, q, scale, colmax, row_mul if row_mul is not None else scale, M, K, x.stride(0), x.stride(1),
+        x, q, scale, scale if tiles else col_amax, row_mul_arg, M, K, x.stride(0), x.stride(1),
         q.stride(0), scale.stride(0), _seed(stochastic),
         QMAX=f.max_value, IS_INT=f.is_int, MANTISSA_BITS=f.mantissa_bits,
         MIN_NORMAL_EXP=f.min_normal_exp, STOCHASTIC=stochastic, EMULATE_CAST=_emulate_cast(),
@@ -299,7 +284,7 @@ def quantize_cols_t(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int
 
 def quantize_with_transpose(x: torch.Tensor, fmt: str | QuantFormat = "e4m3"):
     """(q, row scales, q^T, column scales) of a 2-D tensor, both layouts a linear layer needs of its weight:
-    the same values as `quantize_rows(x, fmt)` and `quantize_cols_t(x, fmt, col_amax=...)`.
+    the same values as `quantize_rows(x, fmt)` and `quantize_cols_t(x, fmt)`.
 
     Two passes over x on 2-D tiles, both at memory speed: the row and column maxima (atomic max per tile), then
     both casts from one read, three launches in all. (The row kernel with the column amax reads one long row per
@@ -311,8 +296,8 @@ def quantize_with_transpose(x: torch.Tensor, fmt: str | QuantFormat = "e4m3"):
     grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
     amax = torch.zeros(M + K, dtype=torch.float32, device=x.device)
     scales = torch.empty(M + K, dtype=torch.float32, device=x.device)
-    _abs_max_kernel[grid](x, amax, amax[M:], M, K, x.stride(0), x.stride(1), BLOCK_M=block_m, BLOCK_K=block_k,
-                          num_warps=4)
+    _abs_max_kernel[grid](x, amax, amax, amax[M:], M, K, x.stride(0), x.stride(1), ROW_MUL=False, ROW_AMAX=True,
+                          BLOCK_M=block_m, BLOCK_K=block_k, ROW_BLOCKS=1, num_warps=4)
     q = torch.empty((M, K), dtype=f.dtype, device=x.device)
     q_t = torch.empty((K, M), dtype=f.dtype, device=x.device)
     _quantize_both_kernel[grid](x, q, q_t, amax, amax[M:], scales, scales[M:], M, K, x.stride(0), x.stride(1),

@@ -83,10 +83,9 @@ def test_quantize_rows_matches_reference(fmt, group):
     for M, K in SHAPES:
         x = torch.randn(M, K, device=DEVICE) * 3
         x[0, : min(K, 7)] = 0.0  # a partly zero row, and an all-zero group when K is small
-        q, scale, col_amax = quantize_rows(x, fmt, group, col_amax=True)
+        q, scale = quantize_rows(x, fmt, group)
         assert q.dtype == FORMATS[fmt].dtype and q.shape == (M, K)
         check_quantized_rows(x, q, scale, fmt, group)
-        assert torch.equal(col_amax, x.abs().amax(dim=0))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "int8"])
@@ -118,8 +117,7 @@ def test_quantize_cols_transposed_matches_reference(fmt, group):
     torch.manual_seed(2)
     for M, K in [(300, 37), (129, 70)]:
         x = torch.randn(M, K, device=DEVICE)
-        col_amax = None if group else quantize_rows(x, fmt, col_amax=True)[2]
-        q_t, s_t = quantize_cols_t(x, fmt, group, col_amax=col_amax)
+        q_t, s_t = quantize_cols_t(x, fmt, group)
         assert q_t.shape == (K, M)
         check_quantized_rows(x.T.contiguous(), q_t, s_t, fmt, group)
 
@@ -134,22 +132,36 @@ def test_weight_quantization_gives_both_layouts_of_the_row_and_column_kernels(fm
         x[M // 2] = 0
         x[:, K // 3] = 0
         q, s, q_t, s_t = quantize_with_transpose(x, fmt)
-        q_ref, s_ref, col_amax = quantize_rows(x, fmt, col_amax=True)
-        q_t_ref, s_t_ref = quantize_cols_t(x, fmt, col_amax=col_amax)
+        q_ref, s_ref = quantize_rows(x, fmt)
+        q_t_ref, s_t_ref = quantize_cols_t(x, fmt)
         for out, ref in zip((q, s, q_t, s_t), (q_ref, s_ref, q_t_ref, s_t_ref)):
             assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "int8"])
 def test_row_multiplier_scales_the_transposed_copy(fmt):
-    """quantize_cols_t(x, row_mul=r) quantizes x * r[:, None]; its column amax comes from the row pass."""
+    """quantize_cols_t(x, row_mul=r) quantizes x * r[:, None], with the column maxima of that product, over
+    more rows than one program of its maxima pass covers."""
     torch.manual_seed(6)
-    x = torch.randn(150, 70, device=DEVICE)
-    r = torch.rand(150, device=DEVICE) * 4
-    _, _, col_amax = quantize_rows(x, fmt, col_amax=True, row_mul=r)
-    torch.testing.assert_close(col_amax, (x * r[:, None]).abs().amax(dim=0))
-    q_t, s_t = quantize_cols_t(x, fmt, col_amax=col_amax, row_mul=r)
+    x = torch.randn(1500, 70, device=DEVICE)
+    r = torch.rand(1500, device=DEVICE) * 4
+    q_t, s_t = quantize_cols_t(x, fmt, row_mul=r)
     check_quantized_rows((x * r[:, None]).T.contiguous(), q_t, s_t, fmt, None)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "int8"])
+def test_weight_gradient_operand_requantizes_the_row_quantized_gradient(fmt):
+    """The weight gradient's operand, (dY * sx)^T scaled per column, made from dY already quantized per row
+    (q, s): exactly the transposed quantization of the dequantized q * s * sx."""
+    torch.manual_seed(8)
+    g = torch.randn(300, 70, device=DEVICE) * torch.rand(300, 1, device=DEVICE) * 5
+    x_s = torch.rand(300, device=DEVICE) + 0.1
+    g_q, g_s = quantize_rows(g, fmt)
+    q_t, s_t = quantize_cols_t(g_q, fmt, row_mul=g_s * x_s)
+    dequantized = g_q.float() * (g_s * x_s)[:, None]
+    q_ref, s_ref = quantize_cols_t(dequantized, fmt)
+    assert torch.equal(q_t.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s_t, s_ref)
+    check_quantized_rows(dequantized.T.contiguous(), q_t, s_t, fmt, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
@@ -211,11 +223,11 @@ def test_quantize_at_model_size(fmt):
     torch.manual_seed(5)
     x = torch.randn(4096, 3072, device="cuda", dtype=torch.bfloat16)
     for group in (None, TILE):
-        q, scale, col_amax = quantize_rows(x, fmt, group, col_amax=True)
+        q, scale = quantize_rows(x, fmt, group)
         check_quantized_rows(x.float(), q, scale, fmt, group)
-    q_t, s_t = quantize_cols_t(x, fmt, col_amax=col_amax)
+    q_t, s_t = quantize_cols_t(x, fmt)
     check_quantized_rows(x.float().T.contiguous(), q_t, s_t, fmt, None)
-    q, scale, _ = quantize_rows(x, fmt, col_amax=True)
+    q, scale = quantize_rows(x, fmt)
     both = quantize_with_transpose(x, fmt)  # the weights' path: the same bits as the two kernels above
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(both, (q, scale, q_t, s_t)))
 
