@@ -3,10 +3,11 @@
 GEMM: for a linear layer with K inputs, N outputs and M tokens, the three matmuls are
     fwd    Y  = X W^T   (M, N, K)      dgrad  dX = dY W   (M, K, N)      wgrad  dW = dY^T X   (N, K, M)
 with M = 16384 and K, N in {768, 2048, 3072, 8192}. Every operand is already quantized (K-major, as the
-tensor cores want it), so each row times the matmul alone. Columns: ours fp8 (e4m3, row-wise scales,
-persistent TMA kernel on Hopper), ours int8, cuBLAS fp8 through torch._scaled_mm with tensor-wise and
-row-wise scales (use_fast_accum=True, the setting torchao trains with), cuBLAS int8 (torch._int_mm,
-no scales), and cuBLAS bf16 torch.matmul. TFLOP/s = 2*M*N*K / median time (triton.testing.do_bench).
+tensor cores want it), so each row times the matmul alone. fwd and dgrad write bf16, wgrad fp32 (as training
+does; cuBLAS bf16 always writes bf16). Columns: ours fp8 (e4m3, row-wise scales, persistent TMA kernel on
+Hopper), ours int8, cuBLAS fp8 through torch._scaled_mm with tensor-wise and row-wise scales
+(use_fast_accum=True, the setting torchao trains with), cuBLAS int8 (torch._int_mm, no scales), and cuBLAS
+bf16 torch.matmul. TFLOP/s = 2*M*N*K / median time (triton.testing.do_bench).
 
 Quantize: GB/s (bytes read + written) of each quantize kernel on a 16384 x 8192 bf16 tensor against the
 device-to-device copy bandwidth measured in the same run (torch's copy_ of the same tensor).
@@ -31,8 +32,8 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-def gemm_row(m: int, n: int, k: int, impl: str) -> dict:
-    """TFLOP/s of every implementation on C[m, n] = A[m, k] @ B[n, k]^T."""
+def gemm_row(m: int, n: int, k: int, impl: str, out_dtype: torch.dtype) -> dict:
+    """TFLOP/s of every implementation on C[m, n] = A[m, k] @ B[n, k]^T, the scaled ones writing `out_dtype`."""
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     flops = 2.0 * m * n * k
@@ -44,19 +45,19 @@ def gemm_row(m: int, n: int, k: int, impl: str) -> dict:
     bi, sbi = quantize_rows(b, "int8")
     one = torch.ones((), device="cuda")
     cases = {
-        "ours_fp8": lambda: scaled_mm(a8, b8, sa, sb, impl=impl),
-        "ours_int8": lambda: scaled_mm(ai, bi, sai, sbi, impl=impl),
-        "cublas_fp8_tensor": lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16,
+        "ours_fp8": lambda: scaled_mm(a8, b8, sa, sb, out_dtype=out_dtype, impl=impl),
+        "ours_int8": lambda: scaled_mm(ai, bi, sai, sbi, out_dtype=out_dtype, impl=impl),
+        "cublas_fp8_tensor": lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=out_dtype,
                                                       use_fast_accum=True),
         "cublas_fp8_row": lambda: torch._scaled_mm(a8, b8.t(), sa[:, None], sb[None, :],
-                                                   out_dtype=torch.bfloat16, use_fast_accum=True),
+                                                   out_dtype=out_dtype, use_fast_accum=True),
         "cublas_int8": lambda: torch._int_mm(ai, bi.t()),
         "cublas_bf16": lambda: torch.matmul(a, b.t()),
     }
     if impl == "auto":
         a_t, sa_t = quantize_rows(a, "e4m3", TILE)
         b_t, sb_t = quantize_rows(b, "e4m3", TILE)
-        cases["ours_fp8_tile128"] = lambda: scaled_mm(a_t, b_t, sa_t, sb_t, group=TILE)
+        cases["ours_fp8_tile128"] = lambda: scaled_mm(a_t, b_t, sa_t, sb_t, out_dtype=out_dtype, group=TILE)
     for name, fn in cases.items():
         try:
             row[name] = flops / bench_ms(fn) / 1e9
@@ -154,13 +155,16 @@ def main() -> None:
 
     # fwd (M, N, K) of layer (K -> N) is the dgrad problem of layer (N -> K): with K and N drawn from the same
     # set, every dgrad shape is some layer's fwd shape, timed once and reported under both names.
-    problems = {}
+    # wgrad writes fp32, as the training backward does (a bf16 output would time smaller epilogues than it runs)
+    problems, wgrad_shapes = {}, set()
     for k in [] if args.no_gemm else sizes:
         for n in sizes:
             problems.setdefault((m, n, k), None)
             problems.setdefault((n, k, m), None)
+            wgrad_shapes.add((n, k, m))
     for shape in problems:
-        problems[shape] = gemm_row(*shape, impl=args.impl)
+        out_dtype = torch.float32 if shape in wgrad_shapes else torch.bfloat16
+        problems[shape] = gemm_row(*shape, impl=args.impl, out_dtype=out_dtype)
         r = problems[shape]
         print(f"  {shape}: ours fp8 {r['ours_fp8']:.0f}  cuBLAS fp8 row {r['cublas_fp8_row']:.0f}  "
               f"bf16 {r['cublas_bf16']:.0f} TFLOP/s", flush=True)
