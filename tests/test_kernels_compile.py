@@ -1,0 +1,132 @@
+"""Every Triton kernel compiles for the GPUs it is written for, Hopper (sm_90) and Ada (sm_89), and fits their
+shared memory, checked without a GPU.
+
+The CPU tests run the kernels under Triton's interpreter, which accepts code the GPU compiler rejects (a value
+defined inside a loop and used after it, for one). Here Triton's own compiler builds each kernel for those
+targets, as it would on the user's machine. It runs in a child process without TRITON_INTERPRET, because the
+test session imports the kernels in interpreter mode.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HOPPER, ADA = 90, 89
+SHARED_MEMORY = {HOPPER: 232448, ADA: 101376}  # bytes a block may use (opt-in)
+
+QUANT = {"QMAX": 448.0, "MANTISSA_BITS": 3, "MIN_NORMAL_EXP": -6, "EMULATE_CAST": False}
+INT8 = {"QMAX": 127.0, "MANTISSA_BITS": 0, "MIN_NORMAL_EXP": 0, "EMULATE_CAST": False}
+
+
+def kernel_cases():
+    """(label, kernel, target, argument types, constexprs, options) for each kernel in the shapes it is used."""
+    import triton.language as tl
+
+    from tscale_p2p.kernels import gemm, onebit, quantize as q
+
+    rows_types = {"seed": "i32", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32", "stride_qm": "i32",
+                  "stride_sm": "i32", "s_ptr": "*fp32"}
+    for x, out, fmt, stochastic, block in (("*bf16", "*fp8e4nv", QUANT, False, (4, 2048)),
+                                           ("*bf16", "*i8", INT8, True, (64, 128)),
+                                           ("*fp32", "*fp8e5", {**QUANT, "QMAX": 57344.0, "MANTISSA_BITS": 2,
+                                                                "MIN_NORMAL_EXP": -14}, True, (64, 128))):
+        yield (f"quantize rows {x}->{out}", q._quantize_rows_kernel, HOPPER, {**rows_types, "x_ptr": x, "q_ptr": out},
+               {**fmt, "IS_INT": out == "*i8", "STOCHASTIC": stochastic, "BLOCK_M": block[0], "BLOCK_K": block[1]},
+               {"num_warps": 8})
+    cols_types = {"s_ptr": "*fp32", "colmax_ptr": "*fp32", "rowmul_ptr": "*fp32", "M": "i32", "K": "i32",
+                  "stride_xm": "i32", "stride_xk": "i32", "stride_qk": "i32", "stride_sk": "i32", "seed": "i32"}
+    for x, out, fmt, tiles, row_mul, stochastic in (("*bf16", "*fp8e4nv", QUANT, False, False, False),
+                                                    ("*fp8e4nv", "*fp8e4nv", QUANT, False, True, True),
+                                                    ("*i8", "*i8", INT8, False, True, False),
+                                                    ("*bf16", "*fp8e4nv", QUANT, True, False, False)):
+        block = (128, 64) if tiles else (64, 128)
+        yield (f"quantize cols_t {x}->{out}", q._quantize_cols_t_kernel, HOPPER,
+               {**cols_types, "x_ptr": x, "q_ptr": out},
+               {**fmt, "IS_INT": out == "*i8", "STOCHASTIC": stochastic, "TILE_SCALES": tiles, "ROW_MUL": row_mul,
+                "BLOCK_M": block[0], "BLOCK_K": block[1]}, {"num_warps": 8})
+    amax_types = {"rowmul_ptr": "*fp32", "row_amax_ptr": "*fp32", "col_amax_ptr": "*fp32", "M": "i32", "K": "i32",
+                  "stride_xm": "i32", "stride_xk": "i32"}
+    for x, row_mul, row_amax, block in (("*fp32", False, True, (64, 64, 1)), ("*fp8e4nv", True, False, (64, 128, 16))):
+        yield (f"abs max {x}", q._abs_max_kernel, HOPPER, {**amax_types, "x_ptr": x},
+               {"ROW_MUL": row_mul, "ROW_AMAX": row_amax, "BLOCK_M": block[0], "BLOCK_K": block[1],
+                "ROW_BLOCKS": block[2]}, {"num_warps": 4})
+    for out, fmt in (("*fp8e4nv", QUANT), ("*i8", INT8)):
+        yield (f"quantize both {out}", q._quantize_both_kernel, HOPPER,
+               {"x_ptr": "*fp32", "q_ptr": out, "qt_ptr": out, "row_amax_ptr": "*fp32", "col_amax_ptr": "*fp32",
+                "s_ptr": "*fp32", "st_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32"},
+               {**fmt, "IS_INT": out == "*i8", "BLOCK_M": 64, "BLOCK_K": 64}, {"num_warps": 4})
+    yield ("transpose", q._transpose_kernel, HOPPER,
+           {"x_ptr": "*fp8e4nv", "y_ptr": "*fp8e4nv", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32"},
+           {"BLOCK_M": 64, "BLOCK_K": 128}, {"num_warps": 4})
+
+    # The GEMMs: every autotune configuration of the device class, with the output it is chosen for.
+    scalars = {"sa_ptr": "*fp32", "sb_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_sa": "i32",
+               "stride_sb": "i32"}
+    for config, kind in gemm._TAGGED_CONFIGS:
+        meta = config.kwargs
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        if kind == gemm._HOPPER:
+            out = "fp32" if meta["SUBTILE"] else "bf16"  # the subtiled twin exists for the fp32 output
+            c_block = [meta["BLOCK_M"], meta["BLOCK_N"] // 2 if meta["SUBTILE"] else meta["BLOCK_N"]]
+            for operand, acc in (("fp8e4nv", tl.float32), ("i8", tl.int32)):
+                types = {**scalars,
+                         "a_desc": f"tensordesc<{operand}[{meta['BLOCK_M']}, {meta['BLOCK_K']}]>",
+                         "b_desc": f"tensordesc<{operand}[{meta['BLOCK_N']}, {meta['BLOCK_K']}]>",
+                         "c_desc": f"tensordesc<{out}{c_block}>"}
+                yield (f"GEMM (TMA) {operand} {meta}", gemm._scaled_mm_tma_kernel.fn, HOPPER, types,
+                       {**meta, "GROUP_K": 0, "ACC_DTYPE": acc, "OUT_BYTES": 4 if out == "fp32" else 2,
+                        "NUM_SMS": 132}, options)
+        elif kind == gemm._CONSUMER:
+            for operand, acc, out, group_k in (("fp8e4nv", tl.float32, "bf16", 0), ("i8", tl.int32, "fp32", 0),
+                                               ("fp8e4nv", tl.float32, "fp32", 128)):
+                types = {**scalars, "a_ptr": f"*{operand}", "b_ptr": f"*{operand}", "c_ptr": f"*{out}",
+                         "stride_am": "i32", "stride_ak": "i32", "stride_bn": "i32", "stride_bk": "i32",
+                         "stride_cm": "i32", "stride_cn": "i32"}
+                yield (f"GEMM (pointer) {operand} group {group_k} {meta}", gemm._scaled_mm_kernel.fn, ADA, types,
+                       {**meta, "GROUP_K": group_k, "ACC_DTYPE": acc, "OUT_BYTES": 4 if out == "fp32" else 2},
+                       options)
+
+    for update in (True, False):
+        yield (f"1-bit pack, residual {update}", onebit._error_feedback_pack_kernel, HOPPER,
+               {"x_ptr": "*fp32", "residual_ptr": "*fp32", "signs_ptr": "*u8", "scales_ptr": "*fp32", "numel": "i32"},
+               {"BLOCK": 256, "ROWS": 16, "UPDATE_RESIDUAL": update}, {"num_warps": 4})
+    yield ("1-bit unpack", onebit._unpack_kernel, HOPPER,
+           {"signs_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "numel": "i32"},
+           {"BLOCK": 256, "TILE": 4096}, {"num_warps": 4})
+
+
+def compile_all() -> int:
+    """Compile every case; print one line per failure; the number of failures."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = 0
+    for label, kernel, cc, types, constexprs, options in kernel_cases():
+        signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
+        try:
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", cc, 32), options=options)
+            if compiled.metadata.shared > SHARED_MEMORY[cc]:
+                raise RuntimeError(f"needs {compiled.metadata.shared} bytes of shared memory, sm_{cc} has "
+                                   f"{SHARED_MEMORY[cc]}")
+        except Exception as error:  # noqa: BLE001  (report every kernel, not just the first failure)
+            failures += 1
+            print(f"FAILED sm_{cc} {label}: {type(error).__name__}: {str(error).strip()[-1500:]}", flush=True)
+    return failures
+
+
+def test_every_kernel_compiles_for_hopper_and_ada(tmp_path):
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+
+if __name__ == "__main__":
+    sys.exit(min(compile_all(), 1) if "TRITON_INTERPRET" not in os.environ else "unset TRITON_INTERPRET first")
