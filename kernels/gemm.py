@@ -67,10 +67,15 @@ def _device_class() -> str:
     return _HOPPER if torch.cuda.get_device_capability()[0] >= 9 else _CONSUMER
 
 
+# Shared memory one block may opt into: Hopper (sm_90) and Ada (sm_89), the latter's also Ampere consumer cards'.
+HOPPER_SHARED_MEMORY, ADA_SHARED_MEMORY = 232448, 101376
+
+
 @functools.lru_cache(maxsize=None)
 def _shared_memory_limit() -> int:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return getattr(props, "shared_memory_per_block_optin", 232448 if props.major >= 9 else 101376)
+    fallback = HOPPER_SHARED_MEMORY if props.major >= 9 else ADA_SHARED_MEMORY
+    return getattr(props, "shared_memory_per_block_optin", fallback)
 
 
 def _prune_configs(configs, named_args, **kwargs):

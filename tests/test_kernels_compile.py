@@ -16,10 +16,16 @@ import sys
 import pytest
 
 HOPPER, ADA = 90, 89
-SHARED_MEMORY = {HOPPER: 232448, ADA: 101376}  # bytes a block may use (opt-in)
+POINTER_TYPE = {"e4m3": "*fp8e4nv", "e5m2": "*fp8e5", "int8": "*i8"}
 
-QUANT = {"QMAX": 448.0, "MANTISSA_BITS": 3, "MIN_NORMAL_EXP": -6, "EMULATE_CAST": False}
-INT8 = {"QMAX": 127.0, "MANTISSA_BITS": 0, "MIN_NORMAL_EXP": 0, "EMULATE_CAST": False}
+
+def format_constants(name: str) -> dict:
+    """The quantize kernels' constexprs for one of `FORMATS`, with the GPU's own cast."""
+    from tscale_p2p.kernels.quantize import FORMATS
+
+    f = FORMATS[name]
+    return {"QMAX": f.max_value, "IS_INT": f.is_int, "MANTISSA_BITS": f.mantissa_bits,
+            "MIN_NORMAL_EXP": f.min_normal_exp, "EMULATE_CAST": False}
 
 
 def kernel_cases():
@@ -30,23 +36,23 @@ def kernel_cases():
 
     rows_types = {"seed": "i32", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32", "stride_qm": "i32",
                   "stride_sm": "i32", "s_ptr": "*fp32"}
-    for x, out, fmt, stochastic, block in (("*bf16", "*fp8e4nv", QUANT, False, (4, 2048)),
-                                           ("*bf16", "*i8", INT8, True, (64, 128)),
-                                           ("*fp32", "*fp8e5", {**QUANT, "QMAX": 57344.0, "MANTISSA_BITS": 2,
-                                                                "MIN_NORMAL_EXP": -14}, True, (64, 128))):
+    for x, fmt, stochastic, block in (("*bf16", "e4m3", False, (4, 2048)), ("*bf16", "int8", True, (64, 128)),
+                                      ("*fp32", "e5m2", True, (64, 128))):
+        out = POINTER_TYPE[fmt]
         yield (f"quantize rows {x}->{out}", q._quantize_rows_kernel, HOPPER, {**rows_types, "x_ptr": x, "q_ptr": out},
-               {**fmt, "IS_INT": out == "*i8", "STOCHASTIC": stochastic, "BLOCK_M": block[0], "BLOCK_K": block[1]},
+               {**format_constants(fmt), "STOCHASTIC": stochastic, "BLOCK_M": block[0], "BLOCK_K": block[1]},
                {"num_warps": 8})
     cols_types = {"s_ptr": "*fp32", "colmax_ptr": "*fp32", "rowmul_ptr": "*fp32", "M": "i32", "K": "i32",
                   "stride_xm": "i32", "stride_xk": "i32", "stride_qk": "i32", "stride_sk": "i32", "seed": "i32"}
-    for x, out, fmt, tiles, row_mul, stochastic in (("*bf16", "*fp8e4nv", QUANT, False, False, False),
-                                                    ("*fp8e4nv", "*fp8e4nv", QUANT, False, True, True),
-                                                    ("*i8", "*i8", INT8, False, True, False),
-                                                    ("*bf16", "*fp8e4nv", QUANT, True, False, False)):
+    for x, fmt, tiles, row_mul, stochastic in (("*bf16", "e4m3", False, False, False),
+                                               ("*fp8e4nv", "e4m3", False, True, True),
+                                               ("*i8", "int8", False, True, False),
+                                               ("*bf16", "e4m3", True, False, False)):
+        out = POINTER_TYPE[fmt]
         block = (128, 64) if tiles else (64, 128)
         yield (f"quantize cols_t {x}->{out}", q._quantize_cols_t_kernel, HOPPER,
                {**cols_types, "x_ptr": x, "q_ptr": out},
-               {**fmt, "IS_INT": out == "*i8", "STOCHASTIC": stochastic, "TILE_SCALES": tiles, "ROW_MUL": row_mul,
+               {**format_constants(fmt), "STOCHASTIC": stochastic, "TILE_SCALES": tiles, "ROW_MUL": row_mul,
                 "BLOCK_M": block[0], "BLOCK_K": block[1]}, {"num_warps": 8})
     amax_types = {"rowmul_ptr": "*fp32", "row_amax_ptr": "*fp32", "col_amax_ptr": "*fp32", "M": "i32", "K": "i32",
                   "stride_xm": "i32", "stride_xk": "i32"}
@@ -54,11 +60,12 @@ def kernel_cases():
         yield (f"abs max {x}", q._abs_max_kernel, HOPPER, {**amax_types, "x_ptr": x},
                {"ROW_MUL": row_mul, "ROW_AMAX": row_amax, "BLOCK_M": block[0], "BLOCK_K": block[1],
                 "ROW_BLOCKS": block[2]}, {"num_warps": 4})
-    for out, fmt in (("*fp8e4nv", QUANT), ("*i8", INT8)):
+    for fmt in ("e4m3", "int8"):
+        out = POINTER_TYPE[fmt]
         yield (f"quantize both {out}", q._quantize_both_kernel, HOPPER,
                {"x_ptr": "*fp32", "q_ptr": out, "qt_ptr": out, "row_amax_ptr": "*fp32", "col_amax_ptr": "*fp32",
                 "s_ptr": "*fp32", "st_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32"},
-               {**fmt, "IS_INT": out == "*i8", "BLOCK_M": 64, "BLOCK_K": 64}, {"num_warps": 4})
+               {**format_constants(fmt), "BLOCK_M": 64, "BLOCK_K": 64}, {"num_warps": 4})
     yield ("transpose", q._transpose_kernel, HOPPER,
            {"x_ptr": "*fp8e4nv", "y_ptr": "*fp8e4nv", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32"},
            {"BLOCK_M": 64, "BLOCK_K": 128}, {"num_warps": 4})
@@ -110,15 +117,18 @@ def compile_all() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from tscale_p2p.kernels.gemm import ADA_SHARED_MEMORY, HOPPER_SHARED_MEMORY
+
+    shared_memory = {HOPPER: HOPPER_SHARED_MEMORY, ADA: ADA_SHARED_MEMORY}
     failures = 0
     for label, kernel, cc, types, constexprs, options in kernel_cases():
         signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
         try:
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                                       target=GPUTarget("cuda", cc, 32), options=options)
-            if compiled.metadata.shared > SHARED_MEMORY[cc]:
+            if compiled.metadata.shared > shared_memory[cc]:
                 raise RuntimeError(f"needs {compiled.metadata.shared} bytes of shared memory, sm_{cc} has "
-                                   f"{SHARED_MEMORY[cc]}")
+                                   f"{shared_memory[cc]}")
         except Exception as error:  # noqa: BLE001  (report every kernel, not just the first failure)
             failures += 1
             print(f"FAILED sm_{cc} {label}: {type(error).__name__}: {str(error).strip()[-1500:]}", flush=True)
