@@ -71,10 +71,10 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.dht import DHT
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
+from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, attach_event_on_finished
 from hivemind.utils.mpfuture import MPFuture
 
 from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
@@ -544,6 +544,30 @@ class SwarmAverager(DecentralizedAverager):
             self._keep_residual_owed(sent, runner.lost_spans)
         for tensor, average in zip(tensors, averaged):
             tensor.copy_(average)
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A groupmate's parts for the span this peer reduces: handed to this round's runner once it exists.
+
+        Replaces hivemind 1.1.12's handler for one reason: that one waits for the runner by awaiting the group's
+        shared future itself, so when a groupmate dies while its parts wait there (its stream closes and the
+        handler is cancelled) the shared future is cancelled with it. This peer's all-reduce then fails to
+        start, and the survivors of the round retry it from matchmaking (measured: 12.4 s for a round that
+        takes 5.6 s). Here each waiting groupmate awaits a shield of the future, so its death cancels only
+        its own wait.
+        """
+        first = await anext(stream)
+        if first.group_id not in self._running_groups:
+            # The leader may have started the all-reduce before its answer (with the group id) reached us.
+            await self._pending_groups_registered.wait()
+        runner_future = self._running_groups.get(first.group_id)
+        if runner_future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        runner = await asyncio.shield(runner_future)
+        async for reply in runner.rpc_aggregate_part(achain(as_aiter(first), stream), context):
+            yield reply
 
     def _group_tokens(self, group_info: GroupInfo) -> float:
         """The tokens the group declared when it formed (remote data: malformed entries count 0)."""
