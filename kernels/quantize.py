@@ -55,10 +55,11 @@ def _scale_of(amax, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _scale_and_cast(x, scale, offsets, seed, QMAX: tl.constexpr, IS_INT: tl.constexpr,
+def _scale_and_cast(x, scale, rand_bits, QMAX: tl.constexpr, IS_INT: tl.constexpr,
                     MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, STOCHASTIC: tl.constexpr,
                     EMULATE_CAST: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """x / scale rounded into OUT_DTYPE: to nearest (ties to even), or stochastically when STOCHASTIC.
+    """x / scale rounded into OUT_DTYPE: to nearest (ties to even), or stochastically when STOCHASTIC, using
+    `rand_bits` (uniform uint32 bits of x's shape, from `_random_bits`; unused otherwise).
 
     Stochastic rounding, and round-to-nearest under EMULATE_CAST, round in fp32 here so that the final cast is
     exact (Triton 3.9's interpreter rounds fp32 -> fp8 wrongly when the carry reaches the next binade); on a
@@ -66,8 +67,7 @@ def _scale_and_cast(x, scale, offsets, seed, QMAX: tl.constexpr, IS_INT: tl.cons
     """
     y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
     if STOCHASTIC:
-        bits_rand = tl.randint(seed, offsets)
-        noise = (bits_rand >> 8).to(tl.float32) * (1.0 / (1 << 24))  # uniform in [0, 1)
+        noise = (rand_bits >> 8).to(tl.float32) * (1.0 / (1 << 24))  # uniform in [0, 1)
     else:
         noise = tl.full(y.shape, 0.5, tl.float32)
     if IS_INT:
@@ -79,7 +79,7 @@ def _scale_and_cast(x, scale, offsets, seed, QMAX: tl.constexpr, IS_INT: tl.cons
         low: tl.constexpr = (1 << drop) - 1
         bits = y.to(tl.int32, bitcast=True)
         if STOCHASTIC:
-            inc = (bits_rand & low).to(tl.int32, bitcast=True)
+            inc = (rand_bits & low).to(tl.int32, bitcast=True)
         else:
             inc = (low >> 1) + ((bits >> drop) & 1)
         normal = ((bits + inc) & ~low).to(tl.float32, bitcast=True)
@@ -92,6 +92,29 @@ def _scale_and_cast(x, scale, offsets, seed, QMAX: tl.constexpr, IS_INT: tl.cons
     else:
         q = y
     return q.to(OUT_DTYPE)
+
+
+@triton.jit
+def _random_bits(seed, rows, cols, K):
+    """Uniform random bits (uint32) for the tile of x [M, K] at (rows, cols), distinct for every element of x.
+
+    A 32-bit integer hash (Wellons' "lowbias32") of the element's index, offset by a hash of the seed: a few
+    integer operations an element. Triton's Philox does 10 rounds to make 4 numbers, of which tl.randint keeps
+    one (that made the stochastic cast compute-bound at 14% of copy bandwidth), and splitting randint4x's four
+    over the tile costs a shuffle through shared memory. Dithering needs no stronger generator.
+    """
+    h = (rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.uint32) + _lowbias32(seed.to(tl.uint32))
+    return _lowbias32(h)
+
+
+@triton.jit
+def _lowbias32(h):
+    h ^= h >> 16
+    h *= 0x7FEB352D
+    h ^= h >> 15
+    h *= 0x846CA68B
+    h ^= h >> 16
+    return h
 
 
 @triton.jit
@@ -114,8 +137,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, strid
     pid_k = tl.program_id(1)
     x, rows, cols, mask = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
     scale = _scale_of(tl.max(tl.abs(x), axis=1), QMAX)
-    offsets = rows[:, None] * K + cols[None, :]
-    q = _scale_and_cast(x, scale[:, None], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, STOCHASTIC,
+    rand_bits = _random_bits(seed, rows, cols, K) if STOCHASTIC else 0
+    q = _scale_and_cast(x, scale[:, None], rand_bits, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, STOCHASTIC,
                         EMULATE_CAST, q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sm + pid_k, scale, mask=rows < M)
@@ -137,8 +160,8 @@ def _quantize_cols_t_kernel(x_ptr, q_ptr, s_ptr, colmax_ptr, rowmul_ptr, M, K, s
     else:
         amax = tl.load(colmax_ptr + cols, mask=cols < K, other=0.0)
     scale = _scale_of(amax, QMAX)
-    offsets = cols[None, :] * M + rows[:, None]
-    q = _scale_and_cast(x, scale[None, :], offsets, seed, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, STOCHASTIC,
+    rand_bits = _random_bits(seed, rows, cols, K) if STOCHASTIC else 0
+    q = _scale_and_cast(x, scale[None, :], rand_bits, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, STOCHASTIC,
                         EMULATE_CAST, q_ptr.dtype.element_ty)
     tl.store(q_ptr + cols[None, :].to(tl.int64) * stride_qk + rows[:, None], q, mask=mask)
     if TILE_SCALES:
@@ -156,7 +179,7 @@ def _abs_max_kernel(x_ptr, rowmul_ptr, row_amax_ptr, col_amax_ptr, M, K, stride_
     col_amax[cols] and, if ROW_AMAX, row_amax[rows] (zero-initialised) to their maxima."""
     pid_k = tl.program_id(1)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    col_max = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    tile_max = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for i in range(ROW_BLOCKS):
         x, rows, _, _ = _load_tile(x_ptr, tl.program_id(0) * ROW_BLOCKS + i, pid_k, M, K, stride_xm, stride_xk,
                                       BLOCK_M, BLOCK_K)
@@ -166,9 +189,9 @@ def _abs_max_kernel(x_ptr, rowmul_ptr, row_amax_ptr, col_amax_ptr, M, K, stride_
         # A max is the same in any order, so the atomics keep the result deterministic.
         if ROW_AMAX:
             tl.atomic_max(row_amax_ptr + rows, tl.max(ax, axis=1), mask=rows < M)
-        col_max = tl.maximum(col_max, tl.max(ax, axis=0))
+        tile_max = tl.maximum(tile_max, ax)  # element-wise: one reduction across the tile's rows, after the loop
     # One atomic per column and program: many programs raising the same addresses would serialize.
-    tl.atomic_max(col_amax_ptr + cols, col_max, mask=cols < K)
+    tl.atomic_max(col_amax_ptr + cols, tl.max(tile_max, axis=0), mask=cols < K)
 
 
 @triton.jit
@@ -185,10 +208,10 @@ def _quantize_both_kernel(x_ptr, q_ptr, qt_ptr, row_amax_ptr, col_amax_ptr, s_pt
     col_amax = tl.load(col_amax_ptr + cols, mask=cols < K, other=0.0)
     row_scale = _scale_of(row_amax, QMAX)
     col_scale = _scale_of(col_amax, QMAX)
-    q = _scale_and_cast(x, row_scale[:, None], 0, 0, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, False,
+    q = _scale_and_cast(x, row_scale[:, None], 0, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, False,
                         EMULATE_CAST, q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
-    q_t = _scale_and_cast(x, col_scale[None, :], 0, 0, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, False,
+    q_t = _scale_and_cast(x, col_scale[None, :], 0, QMAX, IS_INT, MANTISSA_BITS, MIN_NORMAL_EXP, False,
                           EMULATE_CAST, qt_ptr.dtype.element_ty)
     tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q_t, mask=mask)
     if pid_k == 0:
