@@ -7,7 +7,8 @@ tensor cores want it), so each row times the matmul alone. fwd and dgrad write b
 does; cuBLAS bf16 always writes bf16). Columns: ours fp8 (e4m3, row-wise scales, persistent TMA kernel on
 Hopper), ours int8, cuBLAS fp8 through torch._scaled_mm with tensor-wise and row-wise scales
 (use_fast_accum=True, the setting torchao trains with), cuBLAS int8 (torch._int_mm, no scales), and cuBLAS
-bf16 torch.matmul. TFLOP/s = 2*M*N*K / median time (triton.testing.do_bench).
+bf16 torch.matmul. TFLOP/s = 2*M*N*K / median GPU time (triton.testing.do_bench of a CUDA-graph replay:
+the kernel without Python's launch cost, which a table of its own reports).
 
 Quantize: GB/s (bytes read + written) of each quantize kernel on a 16384 x 8192 bf16 tensor against the
 device-to-device copy bandwidth measured in the same run (torch's copy_ of the same tensor).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import triton
@@ -29,7 +31,27 @@ from tscale_p2p.kernels.quantize import TILE, quantize_cols_t, quantize_rows, qu
 
 
 def bench_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    """Median GPU time of `fn`, replayed from a CUDA graph: the kernels alone. A Triton launch costs the CPU
+    80-150 us in Python (`launch_cost_table`), more than many of these kernels take, so timing plain calls would
+    measure the launch (cuBLAS's calls cost far less)."""
+    fn()  # compile and autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
+
+
+def launch_cost_us(fn, calls: int = 200) -> float:
+    """CPU time of one call of `fn` in microseconds (calls queued back to back, no synchronization between)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def gemm_row(m: int, n: int, k: int, impl: str, out_dtype: torch.dtype) -> dict:
@@ -120,6 +142,22 @@ def weight_quantize_table(shapes: list[tuple[int, int]]) -> list[dict]:
     return rows
 
 
+def launch_cost_table(m: int, n: int, k: int) -> list[dict]:
+    """CPU microseconds per call of our GEMM and quantize kernels and of cuBLAS, on one shape."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    x8, sx = quantize_rows(x, "e4m3")
+    w8, sw = quantize_rows(w, "e4m3")
+    calls = {
+        "ours fp8 GEMM (scaled_mm)": lambda: scaled_mm(x8, w8, sx, sw),
+        "cuBLAS fp8 row-wise (torch._scaled_mm)": lambda: torch._scaled_mm(
+            x8, w8.t(), sx[:, None], sw[None, :], out_dtype=torch.bfloat16, use_fast_accum=True),
+        "cuBLAS bf16 (torch.matmul)": lambda: torch.matmul(x, w.t()),
+        "ours quantize_rows (e4m3)": lambda: quantize_rows(x, "e4m3"),
+    }
+    return [{"call": name, "cpu_us": launch_cost_us(fn), "gpu_us": bench_ms(fn) * 1e3} for name, fn in calls.items()]
+
+
 def print_gemm_table(problems: dict, sizes: list[int], m: int, cols: list[str]) -> list[dict]:
     """Print one row per (layer, matmul); return the rows."""
     print("\n## GEMM TFLOP/s (M = %d tokens)\n" % m)
@@ -177,6 +215,11 @@ def main() -> None:
         print("\n## Configs the autotuner chose for the TMA kernel (M, N, K, ..., dtypes)\n")
         for key, config in _scaled_mm_tma_kernel.cache.items():
             print(f"- {key}: {config}")
+    launches = launch_cost_table(m, max(sizes), max(sizes))
+    print(f"\n## CPU time per call against GPU time ({m} x {max(sizes)} x {max(sizes)})\n")
+    print("| call | CPU us per call | GPU us per call |\n| --- | --- | --- |")
+    for r in launches:
+        print(f"| {r['call']} | {r['cpu_us']:.0f} | {r['gpu_us']:.0f} |")
     quant = quantize_rows_table(m, max(sizes))
     print(f"\n## Quantize, {m} x {max(sizes)} bf16 input\n")
     print("| kernel | GB/s | of copy bandwidth |\n| --- | --- | --- |")
@@ -189,8 +232,8 @@ def main() -> None:
         print(f"| {r['shape']} | {r['kernel']} | {r['ms']:.3f} | {r['GB/s']:.0f} | {r['of_copy']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "gemm": table, "quantize": quant, "weights": weights},
-                      f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "gemm": table, "launch_cost": launches,
+                       "quantize": quant, "weights": weights}, f, indent=1)
 
 
 if __name__ == "__main__":
