@@ -350,6 +350,16 @@ def test_bad_swarm_flags_are_refused_in_one_line(flags, message, capsys):
     assert message in err and err.count("\n") == 1 and err.startswith("tscale-peer: error:")
 
 
+def test_a_bad_flag_gets_one_line_from_a_fresh_process_too():
+    """What a user's shell shows: nothing printed while importing (a dependency's deprecation warning, say) comes
+    before the error line."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    result = subprocess.run([sys.executable, "-m", "tscale_p2p.cli", "join", "--initial-peers", "garbage"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("tscale-peer: error:"), result.stderr
+
+
 @pytest.mark.timeout(150)
 def test_a_new_run_starts_from_a_solo_runs_checkpoint(spawn, tmp_path, text_file, capsys):
     # A model that is not join's default, trained alone for 30 steps.
