@@ -49,12 +49,11 @@ def kernel_cases():
                                                ("*i8", "int8", False, True, False),
                                                ("*bf16", "e4m3", True, False, False)):
         out = POINTER_TYPE[fmt]
-        one_byte = x != "*bf16"
-        block, warps = ((128, 64), 8) if tiles else ((128, 128), 4) if one_byte else ((64, 128), 8)
+        block_m, block_k, warps = q._cols_t_blocks(tiles, one_byte=x != "*bf16")
         yield (f"quantize cols_t {x}->{out}", q._quantize_cols_t_kernel, HOPPER,
                {**cols_types, "x_ptr": x, "q_ptr": out},
                {**format_constants(fmt), "STOCHASTIC": stochastic, "TILE_SCALES": tiles, "ROW_MUL": row_mul,
-                "BLOCK_M": block[0], "BLOCK_K": block[1]}, {"num_warps": warps})
+                "BLOCK_M": block_m, "BLOCK_K": block_k}, {"num_warps": warps})
     amax_types = {"rowmul_ptr": "*fp32", "row_amax_ptr": "*fp32", "col_amax_ptr": "*fp32", "M": "i32", "K": "i32",
                   "stride_xm": "i32", "stride_xk": "i32"}
     for x, row_mul, row_amax, block in (("*fp32", False, True, (64, 64, 1)), ("*fp8e4nv", True, False, (64, 128, 16))):
