@@ -58,6 +58,7 @@ from tscale_p2p.trainer import Trainer
 # Several peers share this machine's cores: one OpenMP thread each, or their spin-waits starve one another.
 PEER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 BITS_PER_PARAM_EACH_WAY = 1 + 16 / 256  # 1-bit signs + a bf16 scale per 256 values (peers/codec.py)
+SEED_STRIDE = 100  # --seed S moves every in-process trainer's seed by S * SEED_STRIDE
 
 
 def settings(args, batch_size: int, seed: int = 0) -> TrainConfig:
@@ -65,7 +66,8 @@ def settings(args, batch_size: int, seed: int = 0) -> TrainConfig:
     return TrainConfig(
         data=args.data, model=args.model, device=args.device, steps=args.from_step + args.steps,
         batch_size=batch_size, lr=args.lr,
-        warmup=args.warmup, eval_batches=args.eval_batches, eval_every=0, save_every=0, seed=seed, compile=False,
+        warmup=args.warmup, eval_batches=args.eval_batches, eval_every=0, save_every=0,
+        seed=SEED_STRIDE * args.seed + seed, compile=False,
     )
 
 
@@ -310,10 +312,16 @@ def main() -> None:
                         help="compare the --steps that follow N steps of one process on the combined batch (a run "
                              "in progress, as a swarm is after its first rounds), every row and swarm peer "
                              "starting from its weights, AdamW state and place in the schedule")
+    parser.add_argument("--seed", type=int, default=0, help="a repeat of the same comparison with other random "
+                        "draws: the run's initial weights, the start state's and every in-process row's batches "
+                        "(the swarm's peers draw theirs from their peer ids)")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     if args.from_step < 0:
         parser.error(f"--from-step must be >= 0, got {args.from_step}")
+    if args.seed and not (args.skip_swarm or args.from_step):
+        parser.error(f"--seed {args.seed} needs --from-step or --skip-swarm: the swarm's peers would start from "
+                     "join's own initial weights, not the other rows'")
     try:
         args.peer_lrs = [float(x) for x in args.peer_lr.split(",")] if args.peer_lr else [args.lr]
     except ValueError:
@@ -373,7 +381,8 @@ def compare(args, out: Path | None, started: float) -> None:
             rows.append((name, loss, tokens, ""))
     reference = rows[-1][1]
     lines = [
-        f"model {args.model} on {args.device}, {args.peers} peers x {args.steps} steps x batch {args.batch_size}, "
+        f"model {args.model} on {args.device}, seed {args.seed}, {args.peers} peers x {args.steps} steps x "
+        f"batch {args.batch_size}, "
         f"H={args.inner_steps}, inner lr {args.lr}{f' (in-process peers {args.peer_lr})' if args.peer_lr else ''} "
         f"(warm-up {args.warmup}, cosine"
         f"{f' over {args.from_step + args.steps} steps, rows from step {args.from_step}' if args.from_step else ''}), "
