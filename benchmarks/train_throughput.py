@@ -39,6 +39,7 @@ VARIANTS = {
     "fp8": ("fp8", {}),
     "fp8-sr": ("fp8", {"stochastic_grad": True}),
     "fp8-e5m2": ("fp8", {"fp8_grad_format": "e5m2"}),
+    "fp8-head": ("fp8", {"skip": ()}),  # the output head in fp8 too (the trainer keeps it in bf16)
     "int8": ("int8", {}),
 }
 
