@@ -17,6 +17,7 @@ from tscale_p2p.generate import (
     TextStream,
     generate,
     load_model,
+    prepare_for_inference,
     sample,
     sampling_mask,
 )
@@ -277,3 +278,19 @@ def test_compiled_decode_step_matches_eager(device):
     for params in (GREEDY, SamplingParams(max_tokens=40, temperature=1.0, top_k=20, top_p=0.9, seed=5)):
         expected = [seq.tokens for seq in generate(eager, prompts, params)]
         assert [seq.tokens for seq in generate(compiled, prompts, params)] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision,head", [("fp8", "Fp8Linear"), ("int8", "Linear")])
+def test_quantized_model_decodes_alike_compiled_and_eager(precision, head):
+    """`infer --precision fp8|int8`: every linear quantized (in fp8 the output head too), and the compiled
+    decode step (CUDA graphs) gives the eager one's tokens."""
+    model = prepare_for_inference(Transformer(ModelConfig.from_dims("e64h4d3w64", short_window=8, first_window=4)),
+                                  "cuda", precision)
+    assert type(model.lm_head).__name__ == head
+    prompts = [list(b"To be, or not"), list(b"Hi")]
+    params = SamplingParams(max_tokens=40, temperature=1.0, top_k=20, top_p=0.9, seed=5)
+    expected = [seq.tokens for seq in generate(GenerationEngine(model, slots=2, compile=False), prompts, params)]
+    assert all(len(tokens) == 40 for tokens in expected)
+    assert [seq.tokens for seq in generate(GenerationEngine(model, slots=2, compile=True), prompts, params)] == expected

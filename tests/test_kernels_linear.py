@@ -117,8 +117,10 @@ class Tiny(nn.Module):
         return self.lm_head(h)
 
 
-@pytest.mark.parametrize("precision,cls", [("fp8", Fp8Linear), ("int8", Int8Linear)])
-def test_convert_linears_keeps_parameters_and_names(precision, cls):
+@pytest.mark.parametrize("precision,cls,head", [("fp8", Fp8Linear, Fp8Linear), ("int8", Int8Linear, nn.Linear)])
+def test_convert_linears_keeps_parameters_and_names(precision, cls, head):
+    """Every linear changes class, the output head too in fp8 (int8 keeps it in bf16), and nothing else changes:
+    the same Parameters under the same names, all of them trained."""
     model = Tiny().to(DEVICE)
     names = list(model.state_dict())
     weights = {n: p for n, p in model.named_parameters()}
@@ -126,11 +128,18 @@ def test_convert_linears_keeps_parameters_and_names(precision, cls):
     assert list(model.state_dict()) == names
     assert all(p is weights[n] for n, p in model.named_parameters())
     assert type(model.blocks[0]["fc"]) is cls and type(model.blocks[1]["proj"]) is cls
-    assert type(model.lm_head) is nn.Linear and type(model.tok_emb) is nn.Embedding
+    assert type(model.lm_head) is head and type(model.tok_emb) is nn.Embedding
     model(torch.randint(0, 16, (2, 5), device=DEVICE)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
-    convert_linears(model, "fp8", skip=())  # already converted layers stay; the head converts now
-    assert type(model.lm_head) is Fp8Linear and type(model.blocks[0]["fc"]) is cls
+
+
+def test_convert_linears_leaves_the_layers_it_is_told_to_skip():
+    model = Tiny()
+    convert_linears(model, "fp8", skip=("lm_head", "blocks.1.fc"))
+    assert type(model.lm_head) is nn.Linear and type(model.blocks[1]["fc"]) is nn.Linear
+    assert type(model.blocks[0]["fc"]) is Fp8Linear and type(model.blocks[1]["proj"]) is Fp8Linear
+    convert_linears(model, "int8", skip=())  # already converted layers stay; the others convert now
+    assert type(model.lm_head) is Int8Linear and type(model.blocks[0]["fc"]) is Fp8Linear
 
 
 def test_convert_linears_bf16_and_fp32_change_nothing():
