@@ -6,6 +6,7 @@ are opaque to the compiler (it fuses everything around them).
 
     throughput: python benchmarks/train_throughput.py --dims e768h12d12w1024 --batch 32
                 python benchmarks/train_throughput.py --dims e2048h16d30w1024 --batch 16
+                ... --vocab 50304 --variants fp8-bf16-head,fp8   (the output head at a GPT-2 vocabulary)
     loss parity: python benchmarks/train_throughput.py --parity --steps 300 --dims e768h12d12w1024 [--jobs 5]
 
 Throughput uses random tokens; parity trains each variant from the same initial weights on the same batches of
@@ -118,7 +119,7 @@ def throughput(cfg: ModelConfig, variant: str, batch: int, steps: int, warmup: i
         print_kernel_profile(fwd, opt, x, y, profile_top)
     tokens_s = steps * batch * t / elapsed
     mfu = cfg.flops_per_token(t) * tokens_s / (peak_tflops * 1e12)
-    result = {"variant": variant, "dims": cfg.dims, "params": cfg.parameter_count(), "batch": batch,
+    result = {"variant": variant, "dims": cfg.dims, "vocab": cfg.vocab_size, "params": cfg.parameter_count(), "batch": batch,
               "tokens_per_s": tokens_s, "mfu": mfu, "step_ms": 1e3 * elapsed / steps, "warmup_s": warm_s,
               "loss": loss.item()}
     del model, fwd, opt
@@ -198,6 +199,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--vocab", type=int, default=256, help="throughput: the vocabulary (the output head's size), e.g. "
+                   "50304 for a GPT-2-tokenized corpus; parity trains on bytes (256)")
     p.add_argument("--parity", action="store_true", help="train --steps on stdlib bytes; report final val loss")
     p.add_argument("--data-bytes", type=int, default=40_000_000)
     p.add_argument("--eval-batches", type=int, default=20)
@@ -213,11 +216,13 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/train_throughput.py: no CUDA GPU (use --device cpu for a smoke run)")
     torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = ModelConfig.from_dims(args.dims)
+    if args.parity and args.vocab != 256:
+        p.error(f"--parity trains on bytes: --vocab must be 256, got {args.vocab}")
+    cfg = ModelConfig.from_dims(args.dims, vocab_size=args.vocab)
     variants = args.variants.split(",")
     data = stdlib_bytes(args.data_bytes) if args.parity else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# {name}, {cfg.dims}, {cfg.parameter_count() / 1e6:.0f}M params, batch "
+    print(f"# {name}, {cfg.dims}, vocab {cfg.vocab_size}, {cfg.parameter_count() / 1e6:.0f}M params, batch "
           f"{args.batch} x {cfg.context}, compile={not args.no_compile}", flush=True)
     results = []
     if args.parity and args.jobs > 1:
