@@ -319,6 +319,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_step < 0:
         parser.error(f"--from-step must be >= 0, got {args.from_step}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.seed and not (args.skip_swarm or args.from_step):
         parser.error(f"--seed {args.seed} needs --from-step or --skip-swarm: the swarm's peers would start from "
                      "join's own initial weights, not the other rows'")

@@ -216,6 +216,8 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/train_throughput.py: no CUDA GPU (use --device cpu for a smoke run)")
     torch.backends.cuda.matmul.allow_tf32 = True
+    if args.vocab < 1:
+        p.error(f"--vocab must be >= 1, got {args.vocab}")
     if args.parity and args.vocab != 256:
         p.error(f"--parity trains on bytes: --vocab must be 256, got {args.vocab}")
     cfg = ModelConfig.from_dims(args.dims, vocab_size=args.vocab)
