@@ -283,14 +283,24 @@ def test_compiled_decode_step_matches_eager(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision,head", [("fp8", "Fp8Linear"), ("int8", "Linear")])
-def test_quantized_model_decodes_alike_compiled_and_eager(precision, head):
-    """`infer --precision fp8|int8`: every linear quantized (in fp8 the output head too), and the compiled
-    decode step (CUDA graphs) gives the eager one's tokens."""
+def test_quantized_model_decodes_compiled_as_eager(precision, head):
+    """`infer --precision fp8|int8` on CUDA: every linear quantized (in fp8 the output head too), the decode
+    step compiled whole into a CUDA graph, and what it computes is what the eager step computes."""
+    torch.manual_seed(0)
     model = prepare_for_inference(Transformer(ModelConfig.from_dims("e64h4d3w64", short_window=8, first_window=4)),
                                   "cuda", precision)
     assert type(model.lm_head).__name__ == head
-    prompts = [list(b"To be, or not"), list(b"Hi")]
-    params = SamplingParams(max_tokens=40, temperature=1.0, top_k=20, top_p=0.9, seed=5)
-    expected = [seq.tokens for seq in generate(GenerationEngine(model, slots=2, compile=False), prompts, params)]
-    assert all(len(tokens) == 40 for tokens in expected)
-    assert [seq.tokens for seq in generate(GenerationEngine(model, slots=2, compile=True), prompts, params)] == expected
+    compiled = GenerationEngine(model, slots=8, compile=True)  # fullgraph: any graph break fails here
+    eager = GenerationEngine(model, slots=8, compile=False)
+    # The first token comes from the (eager) prefill, the second from one decode step on the same state.
+    prompts = torch.randint(0, 256, (64, 16)).tolist()
+    params = SamplingParams(max_tokens=2, temperature=0)
+    got = [seq.tokens for seq in generate(compiled, prompts, params)]
+    expected = [seq.tokens for seq in generate(eager, prompts, params)]
+    assert [tokens[0] for tokens in got] == [tokens[0] for tokens in expected]
+    # Not every token: inductor fuses the bf16 ops around the linears and rounds once where eager rounds each
+    # op, which moves some activations across an fp8/int8 rounding boundary, and an untrained model's
+    # near-even logits then now and then rank another token first (an H200: 2-5% of steps). Wrong
+    # weights would agree on ~1/256.
+    agree = sum(g[1] == e[1] for g, e in zip(got, expected, strict=True)) / len(prompts)
+    assert agree >= 0.85, agree  # an H200 measured 0.95-0.98

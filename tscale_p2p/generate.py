@@ -26,7 +26,6 @@ import codecs
 import logging
 import math
 import secrets
-import sys
 import time
 from collections.abc import Callable, Sequence as SequenceOf
 from dataclasses import dataclass
@@ -279,17 +278,15 @@ class GenerationEngine(nn.Module):
             compile = device.type == "cuda"
         self._step = self._decode_and_sample
         if compile:
-            # Quantized linears are opaque to torch.compile (see kernels.linear), so those graphs have breaks.
-            # No QuantizedLinear can exist unless its module was imported.
-            linear = sys.modules.get("tscale_p2p.kernels.linear")
-            quantized = linear is not None and any(isinstance(m, linear.QuantizedLinear) for m in model.modules())
             for buffer in self.buffers():  # the graph writes into them: same address every replay, no copies
                 torch._dynamo.mark_static_address(buffer)
-            self._step = torch.compile(
-                self._decode_and_sample, mode="reduce-overhead", fullgraph=not quantized, dynamic=False
-            )
+            self._step = torch.compile(self._decode_and_sample, mode="reduce-overhead", fullgraph=True, dynamic=False)
             log.info("compiling the decode step for %d slot(s) on %s (once per process)", slots, device)
             with torch.no_grad():
+                # One eager step first: fp8/int8 linears quantize their weights on first use and keep them. Made
+                # inside the CUDA graphs' memory pool, those copies would outlive the graph that allocated them,
+                # which cudagraph trees refuse.
+                self._decode_and_sample()
                 for _ in range(3):  # cudagraph trees record on the third call
                     self._step()
 
