@@ -120,8 +120,8 @@ def throughput(cfg: ModelConfig, variant: str, batch: int, steps: int, warmup: i
         print_kernel_profile(fwd, opt, x, y, profile_top)
     tokens_s = steps * batch * t / elapsed
     mfu = cfg.flops_per_token(t) * tokens_s / (peak_tflops * 1e12)
-    result = {"variant": variant, "dims": cfg.dims, "vocab": cfg.vocab_size, "params": cfg.parameter_count(), "batch": batch,
-              "tokens_per_s": tokens_s, "mfu": mfu, "step_ms": 1e3 * elapsed / steps, "warmup_s": warm_s,
+    result = {"variant": variant, "dims": cfg.dims, "vocab": cfg.vocab_size, "params": cfg.parameter_count(),
+              "batch": batch, "tokens_per_s": tokens_s, "mfu": mfu, "step_ms": 1e3 * elapsed / steps, "warmup_s": warm_s,
               "loss": loss.item()}
     del model, fwd, opt
     if device.type == "cuda":
@@ -223,6 +223,9 @@ def main() -> None:
         p.error(f"--parity trains on bytes: --vocab must be 256, got {args.vocab}")
     cfg = ModelConfig.from_dims(args.dims, vocab_size=args.vocab)
     variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown --variants {','.join(unknown)}; choose from {', '.join(VARIANTS)}")
     data = stdlib_bytes(args.data_bytes) if args.parity else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# {name}, {cfg.dims}, vocab {cfg.vocab_size}, {cfg.parameter_count() / 1e6:.0f}M params, batch "
@@ -257,7 +260,8 @@ def main() -> None:
             rel = f"{(r['val_loss'] / base['val_loss'] - 1) * 100:+.2f}%" if base else "-"
             print(f"| {r['variant']} | {r['steps']} | {r['val_loss']:.4f} | {rel} |")
     else:
-        print("\n| variant | dims | tokens/s | MFU (bf16 peak) | step ms | vs bf16 (same compile setting) |\n| --- | --- | --- | --- | --- | --- |")
+        print("\n| variant | dims | tokens/s | MFU (bf16 peak) | step ms | vs bf16 (same compile setting) |\n"
+              "| --- | --- | --- | --- | --- | --- |")
         for r in results:
             rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
             print(f"| {r['variant']} | {r['dims']} | {r['tokens_per_s']:.0f} | {r['mfu'] * 100:.1f}% | "
