@@ -271,6 +271,13 @@ def quantize_rows(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int |
     return q, (scale[:, 0] if group is None else scale)
 
 
+# (BLOCK_M, BLOCK_K, ROW_BLOCKS) of the column-maxima pass before the transposed cast: 1024 rows a program, so
+# few atomics per column.
+COL_AMAX_BLOCKS = (64, 128, 16)
+# BLOCK_M = BLOCK_K of both passes of `quantize_with_transpose`.
+WEIGHT_TILE = 64
+
+
 def _cols_t_blocks(tiles: bool, one_byte: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_K, num_warps) of the transposed cast."""
     if tiles:
@@ -300,7 +307,7 @@ def quantize_cols_t(x: torch.Tensor, fmt: str | QuantFormat = "e4m3", group: int
     row_mul_arg = row_mul if row_mul is not None else scale
     if not tiles:
         col_amax = torch.zeros(K, dtype=torch.float32, device=x.device)
-        amax_m, amax_k, row_blocks = 64, 128, 16  # 1024 rows a program: few atomics per column
+        amax_m, amax_k, row_blocks = COL_AMAX_BLOCKS
         _abs_max_kernel[(triton.cdiv(M, amax_m * row_blocks), triton.cdiv(K, amax_k))](
             x, row_mul_arg, col_amax, col_amax, M, K, x.stride(0), x.stride(1), ROW_MUL=row_mul is not None,
             ROW_AMAX=False, BLOCK_M=amax_m, BLOCK_K=amax_k, ROW_BLOCKS=row_blocks, num_warps=4)
@@ -324,7 +331,7 @@ def quantize_with_transpose(x: torch.Tensor, fmt: str | QuantFormat = "e4m3"):
     """
     f = _format(fmt)
     M, K = x.shape
-    block_m, block_k = 64, 64
+    block_m = block_k = WEIGHT_TILE
     grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
     amax = torch.zeros(M + K, dtype=torch.float32, device=x.device)
     scales = torch.empty(M + K, dtype=torch.float32, device=x.device)

@@ -56,7 +56,8 @@ def kernel_cases():
                 "BLOCK_M": block_m, "BLOCK_K": block_k}, {"num_warps": warps})
     amax_types = {"rowmul_ptr": "*fp32", "row_amax_ptr": "*fp32", "col_amax_ptr": "*fp32", "M": "i32", "K": "i32",
                   "stride_xm": "i32", "stride_xk": "i32"}
-    for x, row_mul, row_amax, block in (("*fp32", False, True, (64, 64, 1)), ("*fp8e4nv", True, False, (64, 128, 16))):
+    for x, row_mul, row_amax, block in (("*fp32", False, True, (q.WEIGHT_TILE, q.WEIGHT_TILE, 1)),
+                                         ("*fp8e4nv", True, False, q.COL_AMAX_BLOCKS)):
         yield (f"abs max {x}", q._abs_max_kernel, HOPPER, {**amax_types, "x_ptr": x},
                {"ROW_MUL": row_mul, "ROW_AMAX": row_amax, "BLOCK_M": block[0], "BLOCK_K": block[1],
                 "ROW_BLOCKS": block[2]}, {"num_warps": 4})
@@ -65,7 +66,7 @@ def kernel_cases():
         yield (f"quantize both {out}", q._quantize_both_kernel, HOPPER,
                {"x_ptr": "*fp32", "q_ptr": out, "qt_ptr": out, "row_amax_ptr": "*fp32", "col_amax_ptr": "*fp32",
                 "s_ptr": "*fp32", "st_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32"},
-               {**format_constants(fmt), "BLOCK_M": 64, "BLOCK_K": 64}, {"num_warps": 4})
+               {**format_constants(fmt), "BLOCK_M": q.WEIGHT_TILE, "BLOCK_K": q.WEIGHT_TILE}, {"num_warps": 4})
     yield ("transpose", q._transpose_kernel, HOPPER,
            {"x_ptr": "*fp8e4nv", "y_ptr": "*fp8e4nv", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32"},
            {"BLOCK_M": 64, "BLOCK_K": 128}, {"num_warps": 4})
