@@ -2,12 +2,14 @@
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import weakref
 
 import hivemind
 import pytest
@@ -17,7 +19,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from tscale_p2p.kernels.onebit import pack, unpack
-from tscale_p2p.peers.averaging import SwarmAverager, _cancel_step
+from tscale_p2p.peers.averaging import SwarmAverager, _cancel_step, keep_tasks_until_done
 from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
@@ -396,3 +398,45 @@ def test_a_cancelled_round_is_marked_cancelled_before_the_averager_is_woken():
     assert seen_by_the_woken_averager == [True]
     assert control.cancelled() and trigger.cancelled()
 
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the destroyed task, unkept
+def test_a_task_nobody_holds_is_kept_until_its_reply_arrives():
+    """A cancelled hivemind step leaves its matchmaking task holding the matchmaking lock and awaiting a DHT reply
+    that hivemind finds by weak reference only. Garbage collection destroyed such a task mid-wait, the lock stayed
+    taken, and the peer never found a group again. The averager's loop holds its tasks until they are done."""
+
+    async def scenario(keep: bool) -> tuple[bool, list[str]]:
+        """(the lock is free again once the reply arrives, what the loop reported)"""
+        loop, reported = asyncio.get_running_loop(), []
+        loop.set_exception_handler(lambda _, context: reported.append(context["message"]))
+        if keep:
+            keep_tasks_until_done(loop)
+        lock, replies = asyncio.Lock(), weakref.WeakValueDictionary()
+
+        class Reply:  # as an MPFuture: awaited by its task, found by whoever answers through a weak registry
+            def __init__(self) -> None:
+                self.arrived = asyncio.Event()
+
+        async def wait_for_the_reply_holding_the_lock() -> None:
+            async with lock:
+                try:
+                    reply = replies["dht"] = Reply()
+                    await reply.arrived.wait()
+                finally:
+                    await asyncio.sleep(0)  # hivemind's clean-up awaits too
+
+        loop.create_task(wait_for_the_reply_holding_the_lock())  # nobody keeps it: the cancelled step's task
+        await asyncio.sleep(0)
+        gc.collect()
+        if "dht" in replies:
+            replies["dht"].arrived.set()
+        try:
+            await asyncio.wait_for(lock.acquire(), timeout=2)
+        except asyncio.TimeoutError:
+            return False, reported
+        return True, reported
+
+    assert asyncio.run(scenario(keep=True)) == (True, [])
+    freed, reported = asyncio.run(scenario(keep=False))  # what the keeper prevents
+    assert not freed and "Task was destroyed but it is pending!" in reported

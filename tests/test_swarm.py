@@ -311,7 +311,7 @@ def test_a_peer_whose_global_weights_diverged_gets_back_in_step(spawn, text_file
         time.sleep(0.2)
     stop_all([a, b])
     history_a, history_b = rounds(a.output()), rounds(b.output())
-    assert in_step_twice(), (history_a, history_b)
+    assert in_step_twice(), f"rounds of a: {history_a}\nrounds of b: {history_b}\n\nb.log:\n{b.summary()}"
     # Every round from the resync on is the same on both, up to one that a peer reports as disturbed (a span
     # lost mid-round under load, after which b finds itself out of step and resyncs again): weights that
     # differ for no reported reason fail.
