@@ -8,13 +8,25 @@ target val loss, evaluated over every non-overlapping 256-token window of val. n
 Part 2 times the attention of a 12-layer, width-768 model at context 1024 and 4096 (forward + backward of
 every layer's attention, in bf16), windowed schedule vs dense, and prints the attention FLOPs per token.
 
+Part 3 races one of our runs against nanoGPT's own ``train.py config/train_shakespeare_char.py`` on the same
+GPU and the same split, one after the other, each in a fresh process: the wall time from launching the
+process to the first val loss at or under the target, and each one's best val loss (each evaluated its own
+way: nanoGPT's mean of 200 random val batches, ours every val window). nanoGPT is not part of the project:
+pass a checkout of it with ``--nanogpt DIR``; its ``prepare.py`` runs first, untimed.
+
     python benchmarks/train_shakespeare.py --data PATH/tinyshakespeare.txt [--runs a,b] [--part 1|2|both]
+    python benchmarks/train_shakespeare.py --data PATH/tinyshakespeare.txt --part 3 --runs NAME --nanogpt DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,10 +45,21 @@ RUNS = {
     "short-dense-relu2": dict(model="e384h6d6w256", window_schedule="dense", mlp="relu2", **{**NANOGPT, "steps": 1200}),
     "short-tscale-relu2": dict(model="e384h6d6w256", window_schedule="tscale", mlp="relu2", **{**NANOGPT, "steps": 1200}),
     "short-tscale-relu2-lr2e-3": dict(model="e384h6d6w256", window_schedule="tscale", mlp="relu2", **{**NANOGPT, "lr": 2e-3, "steps": 800}),
+    # more regularisation, so the decay can run longer before overfitting sets in
+    "d3-1500": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.3, "steps": 1500}),
+    "d3-2000": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.3, "steps": 2000}),
+    "d4-2500": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.4, "steps": 2500}),
+    "d3-wd3-1500": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.3, "weight_decay": 0.3, "steps": 1500}),
+    "d25-lr7e-4-2000": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.25, "lr": 7e-4, "steps": 2000}),
+    "d3-wsd-1500": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.3, "schedule": "wsd", "cooldown_fraction": 0.4, "steps": 1500}),
+    "deep8-d3-1500": dict(model="e384h6d8w256", **{**NANOGPT, "dropout": 0.3, "steps": 1500}),
+    "wide512-d35-2000": dict(model="e512h8d6w256", **{**NANOGPT, "dropout": 0.35, "lr": 7e-4, "steps": 2000}),
 }
 
 
-def train_to_target(name: str, data: str, target: float, eval_every: int, device: str = "cuda") -> dict:
+def train_to_target(name: str, data: str, target: float, eval_every: int, device: str = "cuda", *,
+                    whole_schedule: bool = False) -> dict:
+    """Train run `name`, evaluating every `eval_every` steps; stop at the target unless `whole_schedule`."""
     settings = RUNS[name]
     cfg = TrainConfig(data=data, device=device, eval_every=eval_every, **settings)
     corpus = load_corpus(data)
@@ -57,7 +80,8 @@ def train_to_target(name: str, data: str, target: float, eval_every: int, device
         print(f"  {name} step {trainer.step:5d} val {loss:.4f} train {train_seconds:6.1f}s", flush=True)
         if loss <= target and reached_at is None:
             reached_at = (trainer.step, train_seconds, time.perf_counter() - start)
-            break
+            if not whole_schedule:
+                break
     return {
         "name": name,
         "params": params,
@@ -95,18 +119,80 @@ def time_attention(context: int, schedule: str, batch_tokens: int = 65536) -> tu
     return times[len(times) // 2] / (batch * context) * 1e6, cfg.attention_flops_per_token()  # ns per token
 
 
+NANOGPT_EVAL = re.compile(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)")
+OURS_EVAL = re.compile(r" step\s+(\d+) val ([\d.]+)")
+
+
+def timed_val_losses(command: list[str], cwd: Path, pattern: re.Pattern, log) -> list[tuple[float, int, float]]:
+    """Run `command` and return (seconds since launch, step, val loss) for each evaluation it prints."""
+    start = time.perf_counter()
+    readings = []
+    with subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            elapsed = time.perf_counter() - start
+            log.write(f"{elapsed:8.2f} {line}")
+            if match := pattern.search(line):
+                readings.append((elapsed, int(match[1]), float(match[2])))
+    if proc.returncode != 0:
+        raise SystemExit(f"{command[1]} exited with {proc.returncode}; its output is in {log.name}")
+    return readings
+
+
+def race_nanogpt(run: str, data: str, nanogpt: Path, target: float, eval_every: int) -> None:
+    """Part 3: nanoGPT's shakespeare_char config and our run `run`, one after the other, timed from launch."""
+    prepared = nanogpt / "data" / "shakespeare_char"
+    shutil.copyfile(data, prepared / "input.txt")  # prepare.py reads it instead of downloading
+    subprocess.run([sys.executable, "prepare.py"], cwd=prepared, check=True, stdout=subprocess.DEVNULL)
+    ours = [sys.executable, str(Path(__file__).resolve()), "--data", str(Path(data).resolve()), "--part", "1",
+            "--runs", run, "--target", str(target), "--eval-every", str(eval_every), "--whole-schedule"]
+    contenders = [
+        ("nanoGPT train.py config/train_shakespeare_char.py", [sys.executable, "train.py", "config/train_shakespeare_char.py"], nanogpt, NANOGPT_EVAL),
+        (f"ours: {run}", ours, Path.cwd(), OURS_EVAL),
+    ]
+    rows = []
+    with open("race.log", "w") as log:
+        for label, command, cwd, pattern in contenders:
+            log.write(f"### {label}\n")
+            readings = timed_val_losses(command, cwd, pattern, log)
+            first = next(((t, step) for t, step, loss in readings if loss <= target), None)
+            best = min(readings, key=lambda r: r[2])
+            rows.append((label, first, best, readings[-1][0]))
+    print(f"\n| contender | launch to val <= {target} | at step | best val (step) | launch to end | vs nanoGPT, to target |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    base = rows[0][1][0] if rows[0][1] else None
+    for label, first, best, end in rows:
+        to_target = f"{first[0]:.1f} s | {first[1]}" if first else "not reached | -"
+        ratio = f"{base / first[0]:.2f}x faster" if first and base else "-"
+        print(f"| {label} | {to_target} | {best[2]:.4f} ({best[1]}) | {end:.1f} s | {ratio} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="path to tinyshakespeare.txt")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from {', '.join(RUNS)}")
     parser.add_argument("--target", type=float, default=1.47)
     parser.add_argument("--eval-every", type=int, default=250)
-    parser.add_argument("--part", choices=("1", "2", "both"), default="both")
+    parser.add_argument("--part", choices=("1", "2", "both", "3"), default="both")
+    parser.add_argument("--whole-schedule", action="store_true", help="part 1: train on past the target to the end")
+    parser.add_argument("--nanogpt", type=Path, help="part 3: a checkout of nanoGPT to race against")
     args = parser.parse_args()
+    unknown = [name for name in args.runs.split(",") if name not in RUNS]
+    if unknown:
+        parser.error(f"unknown --runs {','.join(unknown)}; choose from {', '.join(RUNS)}")
+    if args.part == "3":
+        if args.nanogpt is None or not (args.nanogpt / "train.py").is_file():
+            parser.error(f"--part 3 needs --nanogpt DIR holding nanoGPT's train.py, got {args.nanogpt}")
+        if "," in args.runs:
+            parser.error(f"--part 3 races one run, got --runs {args.runs}")
+        race_nanogpt(args.runs, args.data, args.nanogpt.resolve(), args.target, args.eval_every)
+        return
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
 
     if args.part in ("1", "both"):
-        results = [train_to_target(name, args.data, args.target, args.eval_every) for name in args.runs.split(",")]
+        results = [
+            train_to_target(name, args.data, args.target, args.eval_every, whole_schedule=args.whole_schedule)
+            for name in args.runs.split(",")
+        ]
         print(f"\n| run | params | steps to {args.target} | train s to target | wall s incl. compile+eval | ms/step | best val |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in results:
