@@ -1,8 +1,9 @@
 """The swarm's current model, fetched from a live peer for inference (`tscale-peer infer/serve --initial-peers`).
 
 A dial-out-only DHT node reads the run's published config, then downloads what a joiner downloads (the global
-weights and outer momentum that `SwarmPeer.shared_state` serves) and keeps the weights. Nothing is trained and
-nothing is shared back.
+weights and outer momentum that `SwarmPeer.shared_state` serves, with the run's tokenizer) and keeps the weights.
+Nothing is trained and nothing is shared back. `fetch_run_tokenizer` does the same for a joiner that lacks the
+run's tokenizer.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from tscale_p2p.data import ByteTokenizer
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.network import NetworkOptions, start_dht
 from tscale_p2p.peers.run_config import RunConfig, averaging_prefix, fetch_run_config
 from tscale_p2p.peers.swarm import SwarmPeer
+from tscale_p2p.tokenizer import BPETokenizer, Tokenizer, from_wire
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +38,13 @@ class SwarmModel:
     weights: dict[str, torch.Tensor]  # fp32, CPU, named as in `Transformer(config)`
     round: int
     step: int
+    tokenizer: Tokenizer | None = None  # the run's; None: an unknown one (a .bin run)
 
     def build(self) -> Transformer:
-        """A `Transformer` (fp32, CPU) holding these weights."""
+        """A `Transformer` (fp32, CPU) holding these weights, and carrying the run's tokenizer for decoding."""
         model = Transformer(self.config)
         model.load_state_dict(self.weights)
+        model.tokenizer = self.tokenizer
         return model
 
 
@@ -78,12 +83,36 @@ def fetch_swarm_model(initial_peers: Sequence[str], run_id: str, timeout: float 
             if fetched is None:
                 raise UserError(f"{where}: no live peer shared the run's model within {timeout:g} s")
             weights, metadata = fetched
-            model = SwarmModel(run_id, config, weights, int(metadata.get("round", 0)), int(metadata.get("step", 0)))
+            model = SwarmModel(run_id, config, weights, int(metadata.get("round", 0)), int(metadata.get("step", 0)),
+                               _tokenizer_of(run, metadata, where))
             progress.update(task, completed=total,
                             description=f"downloaded run {run_id!r} ({config.dims}) at round {model.round}")
         finally:
             dht.shutdown()
     return model
+
+
+def fetch_run_tokenizer(dht, run_id: str, run: RunConfig, timeout: float = 60.0) -> BPETokenizer:
+    """The BPE tokenizer of run `run_id`, downloaded from a live peer with the state it shares (a joiner that lacks
+    it needs it before it can tokenize its data) and checked against the hash in the run config."""
+    with torch.device("meta"):
+        template = dict(Transformer(run.model_config).named_parameters())
+    log.info("fetching the tokenizer of run %r from a live peer", run_id)
+    fetched = _download_weights(dht, run_id, run, template, time.monotonic() + timeout)
+    if fetched is None:
+        raise UserError(f"run {run_id!r}: no live peer shared the run's tokenizer within {timeout:g} s")
+    return _tokenizer_of(run, fetched[1], f"run {run_id!r}'s peer")
+
+
+def _tokenizer_of(run: RunConfig, metadata: dict, where: str) -> Tokenizer | None:
+    """The run's tokenizer: bytes, an unknown one (.bin runs), or the BPE that came with a downloaded state."""
+    if run.tokenizer == "byte":
+        return ByteTokenizer()
+    if not run.tokenizer.startswith("bpe-"):
+        return None
+    if "tokenizer" not in metadata:
+        raise UserError(f"{where} sent its state without the run's tokenizer ({run.tokenizer[:16]})")
+    return from_wire(metadata["tokenizer"], run.tokenizer, where)
 
 
 def _wait_for_run_config(dht, run_id: str, deadline: float) -> RunConfig | None:

@@ -46,9 +46,11 @@ from tscale_p2p.peers.run_config import (
     publish_run_config,
     save_run_config,
 )
+from tscale_p2p.peers.run_tokenizer import check_explicit_tokenizer, run_tokenizer_spec, save_run_tokenizer
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
 from tscale_p2p.solo import GracefulStop, model_config_for, prepare_trainer
+from tscale_p2p.tokenizer import apply_tokenizer, checkpoint_tokenizer, describe, describe_id, tokenizer_id
 from tscale_p2p.trainer import resolve_device
 
 log = logging.getLogger(__name__)
@@ -149,6 +151,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
     device = resolve_device(cfg.device)
     corpus = load_corpus(cfg.data)
     run = resolve_run(dht, cfg, explicit, options, corpus, device, start)
+    cfg = replace(cfg, tokenizer=run_tokenizer_spec(dht, run, options.run_id, cfg.out, explicit.get("tokenizer")))
 
     resume = find_latest(Path(cfg.out)) is not None
     if resume:
@@ -157,6 +160,11 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
     if start is not None and start.step >= cfg.steps:
         raise UserError(f"--init-from {start.path} is at step {start.step}, not before the run's last step {cfg.steps}")
     trainer = prepare_trainer(cfg)
+    if tokenizer_id(trainer.corpus.tokenizer, trainer.corpus.vocab_size) != run.tokenizer:
+        raise UserError(
+            f"--data {cfg.data!r} is tokenized with {describe(trainer.corpus.tokenizer)}, but run {options.run_id!r} "
+            f"uses {describe_id(run.tokenizer, run.model_config.vocab_size)}"
+        )
     if trainer.model_cfg != run.model_config:
         raise UserError(f"the model built here ({trainer.model_cfg}) differs from run {options.run_id!r}'s ({run.model_config})")
     if start is not None:
@@ -264,9 +272,8 @@ def _leave_at_once_on_second_ctrl_c(stop: GracefulStop) -> None:
 def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, corpus, device,
                 start: Checkpoint | None = None) -> RunConfig:
     """The run this peer trains: the one published in the DHT, else the one saved in --out by an earlier
-    session, else a new one from this peer's flags (published for others) with the model of `start` (the
-    --init-from checkpoint) if given. Saved in --out in every case."""
-    tokenizer = tokenizer_name(corpus)
+    session, else a new one from this peer's flags (published for others) with the model and tokenizer of
+    `start` (the --init-from checkpoint) if given. Saved in --out in every case, with a BPE's tokenizer.json."""
     published = fetch_run_config(dht, options.run_id) if options.network.initial_peers else None
     saved = load_saved_run_config(cfg.out)
     if published is not None and saved is not None and published.hash != saved.hash:
@@ -276,20 +283,22 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
     run = published or saved
     if run is not None:
         run.check_flags(options.run_id, explicit)
-        if tokenizer != run.tokenizer:
-            raise UserError(
-                f"--data {cfg.data!r} is tokenized as {tokenizer}, but run {options.run_id!r} uses {run.tokenizer}"
-            )
+        if explicit.get("tokenizer") is not None:
+            check_explicit_tokenizer(explicit["tokenizer"], run, options.run_id)
         log.info("%s run %r (config %s): model %s, %d inner steps", "joined" if published else "continuing",
                  options.run_id, run.hash[:12], run.model_config.dims, run.inner_steps)
         if start is not None and ModelConfig.from_dict(start.model_config) != run.model_config:
             raise UserError(f"--init-from {start.path} holds model {ModelConfig.from_dict(start.model_config).dims}, "
                             f"but run {options.run_id!r} trains {run.model_config.dims}")
     else:
+        saved = {} if start is None else {"saved": checkpoint_tokenizer(
+            start.path, start.meta, int(start.model_config.get("vocab_size", 0)))}
+        corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, device_type=device.type, **saved)
+        save_run_tokenizer(cfg.out, corpus.tokenizer)
         run = RunConfig.from_settings(
             cfg,
             model_config_for(cfg, device.type, corpus.vocab_size, start.model_config if start else None),
-            tokenizer,
+            tokenizer_id(corpus.tokenizer, corpus.vocab_size),
             inner_steps=options.inner_steps or DEFAULT_INNER_STEPS,
             outer_lr=options.outer_lr or DEFAULT_OUTER_LR,
             outer_momentum=options.outer_momentum if options.outer_momentum is not None else DEFAULT_OUTER_MOMENTUM,
@@ -366,11 +375,6 @@ def other_local_peers() -> set[int]:
             commands[process.info["pid"]] = process.info["ppid"]
     # hivemind's DHT and averager processes are forks with their peer's command line: count their parent only.
     return {pid for pid, parent in commands.items() if parent not in commands and pid != me}
-
-
-def tokenizer_name(corpus) -> str:
-    """How the run's tokens were made: every peer's data must use the same tokens."""
-    return "byte" if corpus.tokenizer is not None else f"external-{corpus.vocab_size}"
 
 
 def peer_seed(peer_id: str, seed: int) -> int:

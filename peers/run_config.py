@@ -50,7 +50,7 @@ class RunConfig:
     """What makes two peers' weights the same model being trained the same way."""
 
     model: dict  # ModelConfig.to_dict()
-    tokenizer: str  # "byte" (vocab 256), or "external-<vocab>" for pre-tokenized .bin data
+    tokenizer: str  # "byte" (vocab 256), "bpe-<sha256 of its tokenizer.json>", or "external-<vocab>" (a bare .bin)
     inner_steps: int  # local steps between averaging rounds (H)
     outer_lr: float  # Nesterov outer SGD on the averaged pseudo-gradient (DiLoCo: 0.7)
     outer_momentum: float  # (DiLoCo: 0.9)

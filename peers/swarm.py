@@ -50,6 +50,7 @@ from tscale_p2p.peers.progress import RoundClock
 from tscale_p2p.peers.run_config import RunConfig, publish_run_config
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus
 from tscale_p2p.trainer import Trainer
+from tscale_p2p.tokenizer import BPETokenizer, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class SwarmPeer:
         self.trainer, self.metrics, self.identity, self.status = trainer, metrics, identity, status
         self.run_config, self.inner_steps, self.run_hash = run, run.inner_steps, run.hash
         self.max_steps, self.publish_every_s = max_steps, publish_every_s
+        tokenizer = trainer.corpus.tokenizer
+        self._tokenizer_wire = to_wire(tokenizer) if isinstance(tokenizer, BPETokenizer) else None
         self.names = [name for name, _ in trainer.model.named_parameters()]
         weights = trainer.snapshot()
         self.outer = OuterOptimizer({n: weights[n] for n in self.names}, run.outer_lr, run.outer_momentum)
@@ -148,6 +151,8 @@ class SwarmPeer:
                 "step": self.trainer.step,
                 "weights": self._fingerprint,
             }
+            if self._tokenizer_wire is not None:  # a joiner adopts the run's tokenizer from here
+                metadata["tokenizer"] = self._tokenizer_wire
             state = self.outer.state_dict()  # a copy
         weights = [state["weights"][n] for n in self.names]
         buffers = [state["optimizer"]["state"].get(i, {}).get("momentum_buffer") for i in range(len(weights))]

@@ -102,11 +102,13 @@ def save_checkpoint(
     rng_state: Mapping[str, torch.Tensor] | None = None,
     meta: Mapping[str, Any] | None = None,
     keep: int = 3,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Write ``out_dir/step-<step>`` atomically and keep only the newest `keep` checkpoints.
 
     `model_state` is a state dict (any device; shared storage such as tied weights is fine),
-    `optimizer_state` an optimizer's ``state_dict()``, `model_config` and `meta` JSON-able dicts.
+    `optimizer_state` an optimizer's ``state_dict()``, `model_config` and `meta` JSON-able dicts;
+    `extra_files` are further files by name (a tokenizer.json), listed and verified like the tensor files.
     A second save of the same step becomes ``step-<step>.1`` and counts as the newer one. The
     checkpoint just written is never pruned. Returns its path.
     """
@@ -139,6 +141,9 @@ def save_checkpoint(
             files[OPTIMIZER_FILE] = _write_tensors(tmp / OPTIMIZER_FILE, optimizer_tensors)
         if rng_state is not None:
             files[RNG_FILE] = _write_tensors(tmp / RNG_FILE, rng_state)
+        for name, data in (extra_files or {}).items():
+            _write_durably(tmp / name, data)
+            files[name] = {"bytes": len(data), "sha256": _sha256_bytes(data)}
         manifest["files"] = files
         manifest["checksum"] = _sha256_bytes(_canonical(manifest))
         _write_durably(tmp / META_FILE, json.dumps(manifest, indent=1).encode())

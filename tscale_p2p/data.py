@@ -88,6 +88,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def token_bytes(self, token: int) -> bytes:
+        return bytes((token,))
+
     def decode(self, tokens: Iterable[int] | np.ndarray | torch.Tensor) -> str:
         """Bytes back to text; a window cut inside a multi-byte character shows U+FFFD there."""
         if isinstance(tokens, torch.Tensor):

@@ -39,6 +39,7 @@ from tscale_p2p.checkpoint import META_FILE, find_latest, load_checkpoint
 from tscale_p2p.data import ByteTokenizer
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer, windowed_attention
+from tscale_p2p.tokenizer import checkpoint_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +106,11 @@ def sample(
 
 
 class TextStream:
-    """Byte tokens in, text out: whole UTF-8 characters only, cut at the first stop string; text that may
-    still turn into a stop string is held back until it cannot."""
+    """Tokens in (their bytes from `token_bytes`), text out: whole UTF-8 characters only, cut at the first stop
+    string; text that may still turn into a stop string is held back until it cannot."""
 
-    def __init__(self, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, stop: tuple[str, ...] = (), token_bytes: Callable[[int], bytes] = TOKENIZER.token_bytes) -> None:
+        self._token_bytes = token_bytes
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = stop
         self.text = ""  # everything decoded so far (cut at a stop string once one appears)
@@ -117,7 +119,7 @@ class TextStream:
 
     def push(self, token: int) -> str:
         """Add one token; return the text that is now safe to show."""
-        return self._add(self._decoder.decode(bytes((token,))))
+        return self._add(self._decoder.decode(self._token_bytes(token)))
 
     def finish(self) -> str:
         """No more tokens: return whatever was held back (a cut character shows as U+FFFD)."""
@@ -152,11 +154,11 @@ class TextStream:
 class GenerationSequence:
     """One prompt being completed: its tokens, its text so far, why it finished, and its timings."""
 
-    def __init__(self, prompt: str | list[int], params: SamplingParams) -> None:
-        self.prompt = TOKENIZER.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def __init__(self, prompt: str | list[int], params: SamplingParams, tokenizer=TOKENIZER) -> None:
+        self.prompt = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.params = params
         self.tokens: list[int] = []
-        self.stream = TextStream(params.stop)
+        self.stream = TextStream(params.stop, tokenizer.token_bytes)
         self.finish_reason: str | None = None  # "stop" | "length" once done
         self.cancelled = False
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -254,6 +256,13 @@ class GenerationEngine(nn.Module):
         self.model = model.eval()
         cfg: ModelConfig = model.cfg
         self.cfg = cfg
+        # A loaded model carries its tokenizer (`load_model`, the swarm's fetch); a bare one reads bytes.
+        self.tokenizer = getattr(model, "tokenizer", TOKENIZER)
+        if self.tokenizer is None:
+            raise UserError(
+                "this model was trained on a .bin of an unknown tokenizer, so text cannot be turned into its tokens; "
+                "train with --tokenizer PATH (that .bin's tokenizer.json) to make it decodable"
+            )
         weight = model.tok_emb.weight
         device, dtype = weight.device, weight.dtype
         self.caches = nn.ModuleList(
@@ -460,7 +469,7 @@ def generate(
     as text becomes visible. All prompts are checked before any work starts."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
-    seqs = [GenerationSequence(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    seqs = [GenerationSequence(prompt, p, engine.tokenizer) for prompt, p in zip(prompts, params, strict=True)]
     for seq in seqs:
         engine.check(seq)
     index = {seq: i for i, seq in enumerate(seqs)}
@@ -498,6 +507,7 @@ def load_model(
         raise UserError(f"checkpoint {path}: bad model config: {error}") from None
     model = Transformer(cfg)
     loaded.restore(model)
+    model.tokenizer = checkpoint_tokenizer(path, loaded.meta, cfg.vocab_size)
     model = prepare_for_inference(model, device, precision)
     name = path.parent.name if path.name.startswith("step-") else path.name
     log.info("loaded %s (%s, step %d)", path, cfg.dims, loaded.step)

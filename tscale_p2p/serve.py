@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from tscale_p2p.errors import UserError
-from tscale_p2p.generate import GenerationEngine, GenerationSequence, SamplingParams
+from tscale_p2p.generate import TOKENIZER, GenerationEngine, GenerationSequence, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,15 @@ class CompletionRequest:
     stream: bool
     echo: bool
 
-    def sequences(self) -> list[GenerationSequence]:
+    def sequences(self, tokenizer=TOKENIZER) -> list[GenerationSequence]:
+        """One sequence per choice, its prompt in `tokenizer`'s tokens (the model's: usage counts those)."""
         seqs = []
         for prompt in self.prompts:
             for j in range(self.n):
                 params = self.params
                 if params.seed is not None and j:  # n choices of one seeded request differ, reproducibly
                     params = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
-                seqs.append(GenerationSequence(prompt, params))
+                seqs.append(GenerationSequence(prompt, params, tokenizer))
         return seqs
 
 
@@ -266,7 +267,7 @@ class _CompletionHandler(BaseHTTPRequestHandler):
                 self._read_body()  # keep the connection usable
                 raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {self.path}")
             request = parse_completion_request(self._read_json(), self.server.model_id)
-            seqs = request.sequences()
+            seqs = request.sequences(self.server.service.engine.tokenizer)
             for seq in seqs:
                 self.server.service.engine.check(seq)
         except RequestError as error:

@@ -12,6 +12,7 @@ from tscale_p2p.config import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig
+from tscale_p2p.tokenizer import apply_tokenizer, checkpoint_tokenizer
 from tscale_p2p.trainer import Stopwatch, Trainer, resolve_device
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,10 @@ def prepare_trainer(cfg: TrainConfig) -> Trainer:
     elif find_latest(out) is not None:
         raise UserError(f"{str(out)!r} already holds checkpoints; pass --resume to continue, or choose another --out")
     corpus = load_corpus(cfg.data)
+    saved = {} if checkpoint is None else {"saved": checkpoint_tokenizer(
+        checkpoint.path, checkpoint.meta, int(checkpoint.model_config.get("vocab_size", 0)))}
+    corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, device_type=device.type, **saved)
+    log.info("data: %s", corpus.description)
     model_cfg = model_config_for(cfg, device.type, corpus.vocab_size, checkpoint.model_config if checkpoint else None)
     trainer = Trainer(model_cfg, cfg, corpus, device)
     if checkpoint is not None:

@@ -21,6 +21,7 @@ from tscale_p2p.clipping import clip_in_optimizers
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer
+from tscale_p2p.tokenizer import checkpoint_entry
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +256,9 @@ class Trainer:
             p.copy_(weights[name].to(device=p.device, dtype=p.dtype))
 
     def save(self, out_dir: str | Path) -> Path:
-        """Write an atomic checkpoint of everything needed to continue bit-for-bit (see checkpoint.py)."""
+        """Write an atomic checkpoint of everything needed to continue bit-for-bit (see checkpoint.py), with the
+        tokenizer the model reads."""
+        tokenizer, tokenizer_files = checkpoint_entry(self.corpus.tokenizer, self.model_cfg.vocab_size)
         return save_checkpoint(
             out_dir,
             step=self.step,
@@ -263,8 +266,9 @@ class Trainer:
             model_config=self.model_cfg.to_dict(),
             optimizer_state=self.optimizer.state_dict(),
             rng_state=capture_rng_state(),
-            meta={"tokens_seen": self.tokens_seen, "data": self.train_batches.state_dict()},
+            meta={"tokens_seen": self.tokens_seen, "data": self.train_batches.state_dict(), "tokenizer": tokenizer},
             keep=self.cfg.keep,
+            extra_files=tokenizer_files,
         )
 
     def _model_state(self) -> dict[str, torch.Tensor]:
