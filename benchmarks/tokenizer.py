@@ -99,7 +99,8 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--data", default=DEFAULT_DATA, help="comma-separated --data sources")
     parser.add_argument("--tokenizers", default=DEFAULT_TOKENIZERS, help="comma-separated; the first sets the budget")
-    parser.add_argument("--no-cost", action="store_true", help="skip the timed tokenizer training/tokenizing part")
+    parser.add_argument("--part", choices=("both", "quality", "cost"), default="both",
+                        help="quality: the equal-FLOPs training runs; cost: the timed tokenizer training and tokenizing")
     args = parser.parse_args()
     args.model = args.model or (DEFAULT_GPU_MODEL if args.device == "cuda" else DEFAULT_CPU_MODEL)
     specs = args.tokenizers.split(",")
@@ -108,10 +109,20 @@ def main() -> None:
         budget = None
         for spec in specs:
             print(f"{data}  {spec}", flush=True)
-            cost = {} if args.no_cost else tokenizer_cost(data, spec)
-            quality = train_at_budget(data, spec, args, budget)
-            budget = budget or quality["flops"]
-            rows.append({"data": os.path.basename(data), "spec": spec, **cost, **quality})
+            row = {"data": os.path.basename(data), "spec": spec}
+            if args.part != "quality":
+                row.update(tokenizer_cost(data, spec))
+            if args.part != "cost":
+                row.update(train_at_budget(data, spec, args, budget))
+                budget = budget or row["flops"]
+            print(f"  {row}", flush=True)
+            rows.append(row)
+    if args.part == "cost":
+        print("\n| data | tokenizer | BPE train s | tokenize MB/s | load |\n| --- | --- | --- | --- | --- |")
+        for r in rows:
+            if "tokenize_mb_s" in r:
+                print(f"| {r['data']} | {r['spec']} | {r['bpe_train_s']:.1f} | {r['tokenize_mb_s']:.2f} | {r['load']:.1f} |")
+        return
     print(f"\nmodel {args.model} on {args.device}, batch {args.batch_size}, equal FLOPs = the first tokenizer's "
           f"{args.steps} steps\n")
     header = ("| data | tokenizer | vocab | bytes/token | steps | GFLOP | train tokens | val nats/token | val bits/byte "

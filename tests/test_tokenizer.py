@@ -122,8 +122,8 @@ def test_a_checkpoint_carries_its_tokenizer_resumes_with_it_and_refuses_another(
 def bpe_run(text_file, tmp_path) -> Path:
     """A tiny model trained on the repetitive word corpus with a BPE, long enough to speak its words."""
     out = tmp_path / "bpe-run"
-    assert main(["train", "--data", str(text_file), "--out", str(out), "--tokenizer", "bpe:320", "--steps", "80",
-                 "--lr", "1e-2", "--warmup", "5", *TINY]) == 0
+    assert main(["train", "--data", str(text_file), "--out", str(out), "--tokenizer", "bpe:320", "--steps", "40",
+                 "--lr", "2e-2", "--warmup", "5", *TINY]) == 0
     return out
 
 

@@ -19,7 +19,8 @@ One string names a source (the ``--data`` flag):
     magic 20240801, version 7, uint32 tokens). Memory-mapped, no copy. When a sibling file named with
     ``val`` in place of the last ``train`` exists (``train.bin``/``val.bin``), it is the val split;
     otherwise the last ``val_fraction`` of the tokens is. The tokenizer is unknown, so bits per byte
-    are not reported (`Corpus.bytes_per_token` is None). `Corpus.vocab_size` is the tokenizer's for
+    are not reported (`Corpus.bytes_per_token` is None), unless ``--tokenizer`` names its tokenizer.json
+    (`tscale_p2p.tokenizer`, which also re-tokenizes text sources with a BPE). `Corpus.vocab_size` is the tokenizer's for
     llm.c files (50257, 128256) and the largest id + 1 for raw ones (scanned once, noted in the cache).
 ``hf:NAME[:key=value]...``
     A Hugging Face dataset through ``datasets`` (streamed; NAME may also be a local folder of data
