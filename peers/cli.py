@@ -89,10 +89,11 @@ def run_join(args: argparse.Namespace) -> int:
     """Train in the swarm: behind the dashboard on a terminal, with plain log lines otherwise (or --no-tui)."""
     from tscale_p2p.peers.join import INTERRUPTED, join
     from tscale_p2p.peers.status import LocalStatus
+    from tscale_p2p.tui.terminal import dashboard_can_run  # a light module: Textual is imported only to draw
 
     cfg, explicit, options = join_inputs(args)
     status = LocalStatus()
-    if args.no_tui or not sys.stdout.isatty():
+    if args.no_tui or not dashboard_can_run():
         try:
             return join(cfg, explicit, options, status)
         except KeyboardInterrupt:  # Ctrl+C before join() took over SIGINT (while starting up)

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from tscale_p2p.data import ByteTokenizer
 from tscale_p2p.errors import UserError
@@ -24,6 +22,7 @@ from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.network import NetworkOptions, start_dht
 from tscale_p2p.peers.run_config import RunConfig, averaging_prefix, fetch_run_config
 from tscale_p2p.peers.swarm import SwarmPeer
+from tscale_p2p.progress import long_work
 from tscale_p2p.tokenizer import BPETokenizer, Tokenizer, from_wire
 
 log = logging.getLogger(__name__)
@@ -50,16 +49,14 @@ class SwarmModel:
 
 def fetch_swarm_model(initial_peers: Sequence[str], run_id: str, timeout: float = 60.0) -> SwarmModel:
     """Connect through `initial_peers` (validated multiaddrs), read run `run_id`'s config and download its
-    current weights from the live peer that has applied the most rounds, with a progress display on stderr.
+    current weights from the live peer that has applied the most rounds, with a progress display (`long_work`).
     UserError (one line naming the run and the peers) if that does not succeed within `timeout` seconds."""
     where = f"run {run_id!r} via {', '.join(initial_peers)}"
     deadline = time.monotonic() + timeout
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
         # hivemind logs a traceback for every peer that fails to send its state; we report the outcome in one line.
         logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
-        task = progress.add_task(f"connecting to {where}", total=None)
+    with long_work(f"connecting to {where}") as work:
         network = NetworkOptions(
             initial_peers=tuple(initial_peers),
             host_maddrs=("/ip4/127.0.0.1/tcp/0",),  # dial-out only: nothing needs to reach us
@@ -78,15 +75,15 @@ def fetch_swarm_model(initial_peers: Sequence[str], run_id: str, timeout: float 
             with torch.device("meta"):  # names and shapes only
                 template = dict(Transformer(config).named_parameters())
             total = 2 * 4 * sum(p.numel() for p in template.values())  # fp32 weights + fp32 outer momentum
-            progress.update(task, total=total, description=f"downloading the model of run {run_id!r} ({config.dims})")
+            work.update(total=total, description=f"downloading the model of run {run_id!r} ({config.dims})")
             fetched = _download_weights(dht, run_id, run, template, deadline)
             if fetched is None:
                 raise UserError(f"{where}: no live peer shared the run's model within {timeout:g} s")
             weights, metadata = fetched
             model = SwarmModel(run_id, config, weights, int(metadata.get("round", 0)), int(metadata.get("step", 0)),
                                _tokenizer_of(run, metadata, where))
-            progress.update(task, completed=total,
-                            description=f"downloaded run {run_id!r} ({config.dims}) at round {model.round}")
+            work.update(completed=total,
+                        description=f"downloaded run {run_id!r} ({config.dims}) at round {model.round}")
         finally:
             dht.shutdown()
     return model

@@ -27,8 +27,6 @@ from pathlib import Path
 
 import psutil
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from tscale_p2p.checkpoint import Checkpoint, find_latest, resume_from
 from tscale_p2p.config import TrainConfig
@@ -49,6 +47,7 @@ from tscale_p2p.peers.run_config import (
 from tscale_p2p.peers.run_tokenizer import check_explicit_tokenizer, run_tokenizer_spec, save_run_tokenizer
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
+from tscale_p2p.progress import long_work
 from tscale_p2p.solo import GracefulStop, model_config_for, prepare_trainer
 from tscale_p2p.tokenizer import apply_tokenizer, checkpoint_tokenizer, describe, describe_id, tokenizer_id
 from tscale_p2p.trainer import resolve_device
@@ -312,12 +311,10 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
 
 
 def download_state(peer: SwarmPeer, should_stop, timeout_s: float = 60.0) -> bool:
-    """Fetch the shared weights and outer momentum from a live peer, with a progress display."""
+    """Fetch the shared weights and outer momentum from a live peer, showing its progress (`long_work`)."""
     numel = sum(w.numel() for w in peer.outer.weights.values())
     expected = 2 * 4 * numel  # fp32 weights + fp32 momentum
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
-        task = progress.add_task("downloading the swarm's state", total=expected, start=False)
+    with long_work("downloading the swarm's state", total=expected) as work:
         for attempt in range(1, STATE_DOWNLOAD_ATTEMPTS + 1):
             # hivemind downloads in the averager's process and reports nothing until it is done.
             future = peer.averager.load_state_from_peers(wait=False, timeout=timeout_s)
@@ -326,13 +323,12 @@ def download_state(peer: SwarmPeer, should_stop, timeout_s: float = 60.0) -> boo
                 time.sleep(0.1)
             state = future.result() if future.done() else None
             if state is not None and peer.adopt_state(*state):
-                progress.start_task(task)
-                progress.update(task, completed=expected, description=f"downloaded the state of round {peer.round}")
+                work.update(completed=expected, description=f"downloaded the state of round {peer.round}")
                 return True
             if should_stop() or not peer.metrics.fetch():  # nobody is training yet: we start the run's history
                 break
             time.sleep(attempt)
-        progress.update(task, description="no peer shared its state; starting from the run's initial weights")
+        work.update(description="no peer shared its state; starting from the run's initial weights")
     return False
 
 

@@ -18,12 +18,14 @@ from tscale_p2p.peers.join import JoinOptions, join
 from tscale_p2p.peers.metrics import PeerRecord
 from tscale_p2p.peers.network import NetworkOptions
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus, StatusSnapshot
+from tscale_p2p.progress import WorkProgress
 from tscale_p2p.tui import format as fmt
 from tscale_p2p.tui.app import Dashboard, PeersFetched, logging_into
 from tscale_p2p.tui.help import HelpScreen
 from tscale_p2p.tui.log_pane import LogPane
 from tscale_p2p.tui.peers_table import PeersTable
 from tscale_p2p.tui.source import MetricsSource, SwarmWatchSource, TrainingPeerSource
+from tscale_p2p.tui.work_progress import WorkProgressLine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -353,6 +355,42 @@ def test_snapshot_training_peer(snap_compare, size):
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=["80x24", "160x48"])
 def test_snapshot_watching_only(snap_compare, size):
     assert snap_compare(quiet_dashboard(FakeSource(training=False)), terminal_size=size, run_before=snapshot_run_before(0))
+
+
+class BusySource(FakeSource):
+    """A peer still downloading the swarm's state (fixed figures: the snapshot never changes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.works = [WorkProgress("downloading the swarm's state", 9_400_000, 26_200_000, "bytes", 3.2)]
+
+    def long_work(self):
+        return tuple(self.works)
+
+
+@pytest.mark.anyio
+async def test_long_work_shows_in_the_progress_line_and_the_line_goes_when_it_ends():
+    source = BusySource()
+    app = quiet_dashboard(source)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, local_refreshes=1)
+        line = app.query_one(WorkProgressLine)
+        assert line.display and line.region.height == 1
+        assert str(line.query_one("#work-description").render()) == "downloading the swarm's state"
+        assert str(line.query_one("#work-amount").render()) == "9.4MB/26.2MB · 3.2s"
+        source.works.append(WorkProgress("tokenizing corpus.txt", 10, None, "items", 0.5))
+        app.refresh_local()
+        await pilot.pause()
+        assert str(line.query_one("#work-description").render()) == "downloading the swarm's state (+1 more)"
+        source.works.clear()
+        app.refresh_local()
+        await pilot.pause()
+        assert not line.display
+        assert line.region.height == 0
+
+
+def test_snapshot_downloading_state_80x24(snap_compare):
+    assert snap_compare(quiet_dashboard(BusySource()), terminal_size=(80, 24), run_before=snapshot_run_before(5))
 
 
 def test_snapshot_paused_80x24(snap_compare):

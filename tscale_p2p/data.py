@@ -49,6 +49,7 @@ Every bad input raises `UserError` with one line naming the bad value, before an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -67,6 +68,7 @@ import numpy as np
 import torch
 
 from tscale_p2p.errors import UserError
+from tscale_p2p.progress import long_work
 
 log = logging.getLogger(__name__)
 
@@ -510,36 +512,9 @@ def _move_tail(files: dict, sizes: dict, src: str, dst: str, begin: int) -> None
     sizes[src] = begin
 
 
-class _SlowJobProgress:
-    """A rich progress bar that appears only once a job has run for `delay` seconds: quick jobs stay quiet."""
-
-    def __init__(self, description: str, total: int | None, delay: float = 2.0) -> None:
-        self.description, self.total, self.delay = description, total, delay
-        self.started = time.monotonic()
-        self.done = 0
-        self.progress = None
-
-    def __enter__(self) -> "_SlowJobProgress":
-        return self
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        if self.progress is None and time.monotonic() - self.started > self.delay:
-            from rich.console import Console
-            from rich.progress import DownloadColumn, Progress, TimeElapsedColumn
-
-            self.progress = Progress(
-                *Progress.get_default_columns(), DownloadColumn(), TimeElapsedColumn(),
-                console=Console(stderr=True), transient=True,
-            )
-            self.progress.start()
-            self.task = self.progress.add_task(self.description, total=self.total, completed=self.done)
-        elif self.progress is not None:
-            self.progress.update(self.task, completed=self.done)
-
-    def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.stop()
+# Tokenizing and scanning report through the shared long-work path (a rich bar on a terminal, the dashboard's
+# progress line under the dashboard); jobs quicker than 2 s show nothing.
+_SlowJobProgress = functools.partial(long_work, delay=2.0, transient=True)
 
 
 # ---- tokenized .bin files: memory-mapped as they are --------------------------------------------
@@ -615,7 +590,7 @@ def _largest_token(path: Path, tokens: np.ndarray, cache: Path) -> int:
         pass
     chunk = 1 << 24
     largest = 0
-    with _SlowJobProgress(f"scanning {path.name}", len(tokens)) as progress:
+    with _SlowJobProgress(f"scanning {path.name}", len(tokens), unit="items") as progress:
         for i in range(0, len(tokens), chunk):
             largest = max(largest, int(tokens[i : i + chunk].max()))
             progress.advance(min(chunk, len(tokens) - i))

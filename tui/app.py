@@ -18,6 +18,7 @@ from textual.widgets import Footer
 
 from tscale_p2p.peers.metrics import PeerRecord
 from tscale_p2p.peers.status import LocalStatus, StatusSnapshot
+from tscale_p2p.progress import showing_progress_on
 from tscale_p2p.tui.averaging_log import AveragingLog
 from tscale_p2p.tui.charts import Chart, ChartsPanel
 from tscale_p2p.tui.help import HelpScreen
@@ -26,6 +27,8 @@ from tscale_p2p.tui.log_pane import LogPane
 from tscale_p2p.tui.peers_table import PeersTable
 from tscale_p2p.tui.source import MetricsSource, TrainingPeerSource
 from tscale_p2p.tui.summary import SwarmSummary, SwarmTotals
+from tscale_p2p.tui.terminal import stdout_driver
+from tscale_p2p.tui.work_progress import WorkProgressLine
 
 log = logging.getLogger(__name__)
 # What other code prints while the dashboard owns the terminal (a founder's join line, say) is logged here.
@@ -41,7 +44,7 @@ class PeersFetched(Message):
 
 
 class Dashboard(App[None]):
-    """Swarm summary, peers, this peer, charts, averaging log and log lines of one run.
+    """Swarm summary, long work in progress, peers, this peer, charts, averaging log and log lines of one run.
 
     Local status is read on a timer (a cheap copy); peer records are fetched in a worker thread, so a
     slow DHT never freezes the screen and the screen never holds up training.
@@ -68,8 +71,12 @@ class Dashboard(App[None]):
         self.records: list[PeerRecord] = []
         self.status: StatusSnapshot | None = None
 
+    def get_driver_class(self):
+        return stdout_driver(super().get_driver_class())  # see tui/terminal.py
+
     def compose(self) -> ComposeResult:
         yield SwarmSummary(id="summary")
+        yield WorkProgressLine(id="work")
         with Horizontal(id="top"):
             yield LocalPanel(id="local")
             yield ChartsPanel(id="charts")
@@ -114,6 +121,7 @@ class Dashboard(App[None]):
             self.query_one(AveragingLog).show(self.status.averaging)
             self.refresh_bindings()
         self.query_one(LogPane).show(self.source.log_lines())
+        self.query_one(WorkProgressLine).show(self.source.long_work())
         self._show_swarm_summary()
         if self.source.finished():
             self.exit()
@@ -241,9 +249,12 @@ def run_dashboard_while(train: Callable[[], int], status: LocalStatus) -> int:
     # Signals reach only the main thread: SIGTERM asks the training thread to checkpoint and leave (the
     # dashboard closes when it has), as `join`'s own handler does when it runs in the main thread.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: status.stop_requested.set())
-    thread.start()
     try:
-        run_dashboard(source)
+        # Long work of the training thread (state download, tokenizing) shows in the dashboard, not as a rich
+        # bar whose escape codes would land in the log pane; routed before that thread starts.
+        with showing_progress_on(source.progress_board):
+            thread.start()
+            run_dashboard(source)
         if thread.is_alive():
             status.stop_requested.set()
             log.info("leaving the swarm: finishing the round in flight and saving a checkpoint")

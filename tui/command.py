@@ -7,7 +7,6 @@ stack only when it runs, so `tscale-peer --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from tscale_p2p.errors import UserError
 from tscale_p2p.peers.cli import DEFAULT_RUN_ID
@@ -34,10 +33,11 @@ def run_dashboard_command(args: argparse.Namespace) -> int:
     from tscale_p2p.peers.run_config import check_run_id
     from tscale_p2p.tui.app import run_dashboard
     from tscale_p2p.tui.source import SwarmWatchSource
+    from tscale_p2p.tui.terminal import dashboard_can_run
 
     run_id = check_run_id(args.run_id)
     initial_peers = parse_multiaddrs(args.initial_peers, "--initial-peers", need_peer_id=True)
-    if not sys.stdout.isatty():
-        raise UserError("the dashboard needs a terminal; for plain output use 'tscale-peer peers'")
+    if not dashboard_can_run():
+        raise UserError("the dashboard needs a terminal on stdin and stdout; for plain output use 'tscale-peer peers'")
     run_dashboard(SwarmWatchSource(run_id, initial_peers))
     return 0

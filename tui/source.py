@@ -15,11 +15,13 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import cached_property
 
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
 from tscale_p2p.peers.network import NetworkOptions, start_dht
 from tscale_p2p.peers.run_config import fetch_run_config
 from tscale_p2p.peers.status import LocalStatus, StatusSnapshot
+from tscale_p2p.progress import ProgressBoard, WorkProgress
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,16 @@ class MetricsSource(ABC):
     def log_handler(self) -> logging.Handler | None:
         """A handler that feeds `log_lines()` from `logging`, for as long as the dashboard is shown."""
         return None
+
+    @cached_property
+    def progress_board(self) -> ProgressBoard:
+        """Where this process's long work (`tscale_p2p.progress.long_work`) reports while the dashboard is
+        shown: `run_dashboard` routes it here instead of to a rich bar on the terminal."""
+        return ProgressBoard()
+
+    def long_work(self) -> Sequence[WorkProgress]:
+        """Long work in progress (the state download, tokenizing...), oldest first."""
+        return self.progress_board.snapshot()
 
     def close(self) -> None:
         """Release network resources once the dashboard has closed."""
