@@ -15,7 +15,10 @@ import time
 import pytest
 import torch
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tscale_p2p import cli
+from tscale_p2p.chat import TURN_STARTS, render_transcript
 from tscale_p2p.checkpoint import save_checkpoint
 from tscale_p2p.generate import GenerationEngine
 from tscale_p2p.model import ModelConfig, Transformer
@@ -163,7 +166,7 @@ def test_bad_requests_get_a_json_error(server, body, status, param):
 def test_malformed_http_gets_an_error_and_the_server_keeps_serving(server):
     response, payload = request(server, "POST", "/v1/completions", raw=b"{not json")
     assert response.status == 400 and "JSON" in json.loads(payload)["error"]["message"]
-    response, _ = request(server, "POST", "/v1/chat/completions", {"messages": []})
+    response, _ = request(server, "POST", "/v1/embeddings", {"input": "hi"})
     assert response.status == 404
     response, _ = request(server, "GET", "/nothing")
     assert response.status == 404
@@ -246,3 +249,132 @@ def test_an_engine_failure_fails_that_request_only(server, monkeypatch):
     assert server.service.status()["active"] == 0
     status, payload = post(server, {"prompt": "fine", "max_tokens": 4})
     assert status == 200 and payload["usage"]["completion_tokens"] == 4
+
+
+CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Hello there"}]
+
+
+def test_chat_messages_become_a_transcript_and_the_answer_comes_in_the_chat_shape(server):
+    transcript = render_transcript(CHAT)
+    assert transcript == "System: You answer briefly.\nUser: Hello there\nAssistant:"
+    response, payload = request(server, "POST", "/v1/chat/completions",
+                                {"model": MODEL_ID, "messages": CHAT, "max_tokens": 20, "temperature": 0})
+    chat = json.loads(payload)
+    assert response.status == 200 and chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
+    [choice] = chat["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["index"] == 0
+    # The same model continuing the same transcript, stopping where it would start a new turn.
+    _, plain = post(server, {"prompt": transcript, "max_tokens": 20, "temperature": 0, "stop": list(TURN_STARTS)})
+    assert choice["message"]["content"] == plain["choices"][0]["text"]
+    assert choice["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert chat["usage"]["prompt_tokens"] == len(transcript.encode())
+
+
+def test_chat_streams_role_then_content_deltas_then_usage_when_asked(server):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}], "max_tokens": 20,
+            "temperature": 0}
+    _, payload = request(server, "POST", "/v1/chat/completions", body)
+    whole = json.loads(payload)
+    response, payload = request(server, "POST", "/v1/chat/completions",
+                                {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+    chunks = events(payload)
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    *deltas, usage = chunks[1:]
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in deltas)
+    assert content == whole["choices"][0]["message"]["content"]
+    assert [c["choices"][0]["finish_reason"] for c in deltas][-1] == whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in deltas[:-1])
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({}, 400, "messages"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": "hi"}, 400, "messages"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, 400, "messages"),
+        ({"messages": [{"role": "user"}]}, 400, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+         "messages"),
+        ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),  # longer than the context
+        ({"messages": CHAT, "temperature": -1}, 400, None),
+        ({"messages": CHAT, "max_completion_tokens": "many"}, 400, "max_completion_tokens"),
+        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+        ({"messages": CHAT, "n": 100}, 400, "n"),
+        ({"messages": CHAT, "stream_options": "yes"}, 400, "stream_options"),
+        ({"messages": CHAT, "model": "gpt-4o"}, 404, "model"),
+    ],
+)
+def test_bad_chat_requests_get_a_json_error(server, body, status, param):
+    response, payload = request(server, "POST", "/v1/chat/completions", body)
+    assert response.status == status
+    error = json.loads(payload)["error"]
+    assert error["param"] == param and error["message"]
+
+
+def scrape(server, accept: str | None = None) -> tuple[str, dict]:
+    """(content type, {(metric sample name, labels as a sorted tuple): value}) of GET /metrics."""
+    host, port = server.server_address[:2]
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    connection.request("GET", "/metrics", headers={"Accept": accept} if accept else {})
+    response = connection.getresponse()
+    text = response.read().decode()
+    connection.close()
+    assert response.status == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    return response.getheader("Content-Type"), samples
+
+
+def test_metrics_count_requests_and_tokens_in_prometheus_text_format(server):
+    _, plain = post(server, {"prompt": "count me", "max_tokens": 7})
+    request(server, "POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 5})
+    post(server, {"prompt": "hi", "temperature": -1})
+    request(server, "GET", "/nothing")
+    content_type, samples = scrape(server)
+    assert content_type.startswith("text/plain; version=0.0.4")
+    assert samples[("tscale_requests_total", (("code", "200"), ("endpoint", "/v1/completions")))] == 1
+    assert samples[("tscale_requests_total", (("code", "200"), ("endpoint", "/v1/chat/completions")))] == 1
+    assert samples[("tscale_requests_total", (("code", "400"), ("endpoint", "/v1/completions")))] == 1
+    assert samples[("tscale_requests_total", (("code", "404"), ("endpoint", "other")))] == 1
+    assert samples[("tscale_generation_tokens_total", ())] == 7 + 5
+    assert samples[("tscale_prompt_tokens_total", ())] == len("count me") + len(render_transcript(CHAT))
+    assert samples[("tscale_generation_tokens_per_second", ())] > 0
+    assert samples[("tscale_batch_slots", ())] == 4 and samples[("tscale_sequences_running", ())] == 0
+    # A scraper that asks for OpenMetrics gets it.
+    content_type, samples = scrape(server, "application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    assert samples[("tscale_generation_tokens_total", ())] == 12
+
+
+def test_metrics_show_the_queue_while_the_batch_is_full(server, monkeypatch):
+    engine = server.service.engine
+    real_step, release = engine.step, threading.Event()
+
+    def held_step():
+        assert release.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", held_step)  # the first 4 sequences are prefilled, then the worker waits
+    result = {}
+    sender = threading.Thread(target=lambda: result.update(answer=post(server, {"prompt": "q", "n": 6,
+                                                                                 "max_tokens": 3})))
+    sender.start()
+    try:
+        deadline = time.monotonic() + 20
+        while server.service.status()["active"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _, samples = scrape(server)
+        assert samples[("tscale_sequences_running", ())] == 4
+        assert samples[("tscale_sequences_waiting", ())] == 2
+    finally:
+        release.set()
+        sender.join(timeout=30)
+    status, answer = result["answer"]
+    assert status == 200 and len(answer["choices"]) == 6
+    _, samples = scrape(server)
+    assert samples[("tscale_sequences_waiting", ())] == 0 and samples[("tscale_generation_tokens_total", ())] == 18

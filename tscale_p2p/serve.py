@@ -1,5 +1,7 @@
-"""An OpenAI-compatible completion server over a `GenerationEngine`: ``POST /v1/completions`` (with
-``"stream": true`` as server-sent events), ``GET /v1/models`` and ``GET /health``.
+"""An OpenAI-compatible completion server over a `GenerationEngine`: ``POST /v1/completions`` and
+``POST /v1/chat/completions`` (each with ``"stream": true`` as server-sent events; chat messages become a plain
+transcript for our base models, see `tscale_p2p.chat`), ``GET /v1/models``, ``GET /health``, and
+``GET /metrics`` in Prometheus' text format (`tscale_p2p.serve_metrics`).
 
 The standard library's threading HTTP server parses requests (one thread each); a single worker thread owns
 the engine. Requests queue up in an inbox; before every decode step the worker moves as many waiting
@@ -23,8 +25,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from tscale_p2p.chat import TURN_STARTS, render_transcript
 from tscale_p2p.errors import UserError
 from tscale_p2p.generate import TOKENIZER, GenerationEngine, GenerationSequence, SamplingParams
+from tscale_p2p.serve_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,10 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # unless they hold their neutral value, rather than silently ignored.
 _UNSUPPORTED = {"logprobs": None, "suffix": None, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
                 "logit_bias": {}}
+# The same for /v1/chat/completions (OpenAI's chat requests have boolean logprobs, tools, formats).
+_UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": None, "presence_penalty": 0, "frequency_penalty": 0,
+                     "logit_bias": {}, "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
+                     "response_format": {"type": "text"}}
 
 
 class RequestError(Exception):
@@ -47,13 +55,15 @@ class RequestError(Exception):
 
 @dataclass
 class CompletionRequest:
-    """A validated ``/v1/completions`` body: choice i completes prompts[i // n]."""
+    """A validated ``/v1/completions`` or ``/v1/chat/completions`` body: choice i completes prompts[i // n]."""
 
     prompts: list[str]
     n: int
     params: SamplingParams
     stream: bool
     echo: bool
+    chat: bool = False  # answer in the chat shape (messages and deltas instead of text)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
 
     def sequences(self, tokenizer=TOKENIZER) -> list[GenerationSequence]:
         """One sequence per choice, its prompt in `tokenizer`'s tokens (the model's: usage counts those)."""
@@ -69,6 +79,31 @@ class CompletionRequest:
 
 def parse_completion_request(body: object, model_id: str) -> CompletionRequest:
     """Check a decoded JSON body field by field; raise `RequestError` naming the first bad one."""
+    _check_body(body, model_id)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    else:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "prompt must be a string or a non-empty list of strings", "prompt")
+    return _sampled(body, prompts, _UNSUPPORTED, DEFAULT_MAX_TOKENS, (), echo=_field(body, "echo", bool, False))
+
+
+def parse_chat_request(body: object, model_id: str, context: int) -> CompletionRequest:
+    """Check a decoded ``/v1/chat/completions`` body; its messages become one transcript prompt. Without
+    max_tokens (or its newer name max_completion_tokens) the reply may run to the model's `context`."""
+    _check_body(body, model_id)
+    try:
+        prompt = render_transcript(body.get("messages"))
+    except UserError as error:
+        raise RequestError(HTTPStatus.BAD_REQUEST, str(error), "messages") from None
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        body = {**body, "max_tokens": _field(body, "max_completion_tokens", int, None)}
+    return _sampled(body, [prompt], _UNSUPPORTED_CHAT, context, TURN_STARTS, echo=False, chat=True)
+
+
+def _check_body(body: object, model_id: str) -> None:
     if not isinstance(body, dict):
         raise RequestError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
     model = body.get("model")
@@ -77,14 +112,12 @@ def parse_completion_request(body: object, model_id: str) -> CompletionRequest:
             HTTPStatus.NOT_FOUND, f"model {model!r} does not exist; this server has {model_id!r}", "model",
             "model_not_found",
         )
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = prompt
-    else:
-        raise RequestError(HTTPStatus.BAD_REQUEST, "prompt must be a string or a non-empty list of strings", "prompt")
-    for name, neutral in _UNSUPPORTED.items():
+
+
+def _sampled(body: dict, prompts: list[str], unsupported: dict, default_max_tokens: int, extra_stop: tuple,
+             echo: bool, chat: bool = False) -> CompletionRequest:
+    """The request for `prompts` with the sampling fields of `body` (the same for both endpoints)."""
+    for name, neutral in unsupported.items():
         if body.get(name, neutral) not in (neutral, None):
             raise RequestError(HTTPStatus.BAD_REQUEST, f"{name} is not supported by this server", name)
     n = _field(body, "n", int, 1)
@@ -101,18 +134,21 @@ def parse_completion_request(body: object, model_id: str) -> CompletionRequest:
         raise RequestError(HTTPStatus.BAD_REQUEST, "stop must be a string or a list of strings", "stop")
     try:
         params = SamplingParams(
-            max_tokens=_field(body, "max_tokens", int, DEFAULT_MAX_TOKENS),
+            max_tokens=_field(body, "max_tokens", int, default_max_tokens),
             temperature=_field(body, "temperature", float, 1.0),
             top_k=_field(body, "top_k", int, 0),
             top_p=_field(body, "top_p", float, 1.0),
             seed=_field(body, "seed", int, None),
-            stop=tuple(stop),
+            stop=tuple(stop) + extra_stop,
         )
     except UserError as error:
         raise RequestError(HTTPStatus.BAD_REQUEST, str(error)) from None
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "stream_options must be an object", "stream_options")
     return CompletionRequest(
-        prompts=prompts, n=n, params=params, stream=_field(body, "stream", bool, False),
-        echo=_field(body, "echo", bool, False),
+        prompts=prompts, n=n, params=params, stream=_field(body, "stream", bool, False), echo=echo, chat=chat,
+        include_usage=_field(stream_options, "include_usage", bool, False),
     )
 
 
@@ -135,6 +171,7 @@ class CompletionService:
     def __init__(self, engine: GenerationEngine) -> None:
         self.engine = engine
         self.decode_steps = 0
+        self.metrics = ServerMetrics(self.status)
         self._inbox: queue.Queue[tuple[list[GenerationSequence], queue.Queue]] = queue.Queue()
         self._waiting: list[GenerationSequence] = []
         self._outboxes: dict[GenerationSequence, tuple[int, queue.Queue]] = {}
@@ -163,6 +200,7 @@ class CompletionService:
             admitted = self._waiting[: self.engine.free_slots]
             self._waiting = self._waiting[len(admitted) :]
             try:
+                self.metrics.count_prefill(sum(len(seq.prompt) for seq in admitted))
                 self._post(self.engine.admit(admitted))
                 if self.engine.active:
                     self._post(self.engine.step())
@@ -190,6 +228,7 @@ class CompletionService:
             pass
 
     def _post(self, deltas: dict[GenerationSequence, str]) -> None:
+        self.metrics.count_generated(len(deltas))  # admit and step each give every sequence one token
         for seq, text in deltas.items():
             if seq not in self._outboxes:  # its client went away meanwhile
                 continue
@@ -228,7 +267,9 @@ class CompletionServer(ThreadingHTTPServer):
 
     def start(self) -> None:
         """Serve in a background thread."""
-        self._thread = threading.Thread(target=self.serve_forever, name="http", daemon=True)
+        # `close()` waits for the serving loop's next poll: poll often, so closing takes milliseconds, not 0.5 s.
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.02}, name="http",
+                                        daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -247,6 +288,10 @@ class _CompletionHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.server.service.metrics.count_request(urlsplit(self.path).path, code)  # every answer passes here
+        super().send_response(code, message)
+
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
         model = {"id": self.server.model_id, "object": "model", "created": self.server.created,
@@ -258,27 +303,37 @@ class _CompletionHandler(BaseHTTPRequestHandler):
             self._send_json(HTTPStatus.OK, {"object": "list", "data": [model]})
         elif path == f"/v1/models/{self.server.model_id}":
             self._send_json(HTTPStatus.OK, model)
+        elif path == "/metrics":
+            body, content_type = self.server.service.metrics.exposition(self.headers.get("Accept"))
+            self._send_body(HTTPStatus.OK, body, content_type)
         else:
             self._send_error(RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: GET {self.path}"))
 
     def do_POST(self) -> None:
+        engine = self.server.service.engine
         try:
-            if urlsplit(self.path).path != "/v1/completions":
+            path = urlsplit(self.path).path
+            if path == "/v1/completions":
+                request = parse_completion_request(self._read_json(), self.server.model_id)
+            elif path == "/v1/chat/completions":
+                request = parse_chat_request(self._read_json(), self.server.model_id, engine.cfg.context)
+            else:
                 self._read_body()  # keep the connection usable
                 raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {self.path}")
-            request = parse_completion_request(self._read_json(), self.server.model_id)
-            seqs = request.sequences(self.server.service.engine.tokenizer)
+            seqs = request.sequences(engine.tokenizer)
             for seq in seqs:
-                self.server.service.engine.check(seq)
+                engine.check(seq)
         except RequestError as error:
             self._send_error(error)
             return
         except UserError as error:
-            self._send_error(RequestError(HTTPStatus.BAD_REQUEST, str(error), "prompt"))
+            param = "messages" if path == "/v1/chat/completions" else "prompt"  # what the engine found too long
+            self._send_error(RequestError(HTTPStatus.BAD_REQUEST, str(error), param))
             return
         outbox = self.server.service.submit(seqs)
-        envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                    "model": self.server.model_id}
+        kind = "chat.completion" if request.chat else "text_completion"
+        envelope = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+                    "created": int(time.time()), "model": self.server.model_id}
         try:
             if request.stream:
                 self._stream(request, seqs, outbox, envelope)
@@ -301,15 +356,20 @@ class _CompletionHandler(BaseHTTPRequestHandler):
                 return
             texts[index] += text
             reasons[index] = reason
-        choices = [
-            {"index": i, "text": self._echo(request, i) + text, "logprobs": None, "finish_reason": reason}
-            for i, (text, reason) in enumerate(zip(texts, reasons))
-        ]
+        if request.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": reason} for i, (text, reason) in enumerate(zip(texts, reasons))]
+        else:
+            choices = [{"index": i, "text": self._echo(request, i) + text, "logprobs": None, "finish_reason": reason}
+                       for i, (text, reason) in enumerate(zip(texts, reasons))]
+        self._send_json(HTTPStatus.OK, {**envelope, "choices": choices, "usage": self._usage(request, seqs)})
+
+    @staticmethod
+    def _usage(request: CompletionRequest, seqs: list[GenerationSequence]) -> dict:
         prompt_tokens = sum(len(seq.prompt) for seq in seqs[:: request.n])
         completion_tokens = sum(len(seq.tokens) for seq in seqs)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
-        self._send_json(HTTPStatus.OK, {**envelope, "choices": choices, "usage": usage})
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     def _stream(
         self, request: CompletionRequest, seqs: list[GenerationSequence], outbox: queue.Queue, envelope: dict
@@ -319,7 +379,13 @@ class _CompletionHandler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        if request.echo:
+        if request.chat:  # chat streams open each choice with the speaker's role
+            envelope = {**envelope, "object": "chat.completion.chunk"}
+            for i in range(len(seqs)):
+                opening = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}
+                self._send_event({**envelope, "choices": [opening]})
+        elif request.echo:
             for i in range(len(seqs)):
                 self._send_event({**envelope, "choices": [self._chunk(i, self._echo(request, i), None)]})
         remaining = len(seqs)
@@ -330,8 +396,12 @@ class _CompletionHandler(BaseHTTPRequestHandler):
                                             "code": "generation_failed"}})
                 break
             if text or reason:
-                self._send_event({**envelope, "choices": [self._chunk(index, text, reason)]})
+                chunk = self._chat_chunk(index, text, reason) if request.chat else self._chunk(index, text, reason)
+                self._send_event({**envelope, "choices": [chunk]})
             remaining -= reason is not None
+        else:  # every choice finished
+            if request.include_usage:  # as OpenAI sends it: no choices, the whole request's counts
+                self._send_event({**envelope, "choices": [], "usage": self._usage(request, seqs)})
         self._send_chunk(b"data: [DONE]\n\n")
         self._send_chunk(b"")
 
@@ -341,6 +411,10 @@ class _CompletionHandler(BaseHTTPRequestHandler):
     @staticmethod
     def _chunk(index: int, text: str, reason: str | None) -> dict:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+    @staticmethod
+    def _chat_chunk(index: int, text: str, reason: str | None) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason}
 
     def _send_event(self, payload: dict) -> None:
         self._send_chunk(b"data: " + json.dumps(payload).encode() + b"\n\n")
@@ -374,9 +448,11 @@ class _CompletionHandler(BaseHTTPRequestHandler):
                                                  "code": error.code}})
 
     def _send_json(self, status: HTTPStatus, payload: dict) -> None:
-        body = json.dumps(payload).encode()
+        self._send_body(status, json.dumps(payload).encode(), "application/json")
+
+    def _send_body(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
