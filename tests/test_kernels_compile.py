@@ -32,7 +32,7 @@ def kernel_cases():
     """(label, kernel, target, argument types, constexprs, options) for each kernel in the shapes it is used."""
     import triton.language as tl
 
-    from tscale_p2p.kernels import gemm, onebit, quantize as q
+    from tscale_p2p.kernels import gemm, onebit_triton, quantize as q
 
     rows_types = {"seed": "i32", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32", "stride_qm": "i32",
                   "stride_sm": "i32", "s_ptr": "*fp32"}
@@ -104,10 +104,10 @@ def kernel_cases():
                        options)
 
     for update in (True, False):
-        yield (f"1-bit pack, residual {update}", onebit._error_feedback_pack_kernel, HOPPER,
+        yield (f"1-bit pack, residual {update}", onebit_triton._error_feedback_pack_kernel, HOPPER,
                {"x_ptr": "*fp32", "residual_ptr": "*fp32", "signs_ptr": "*u8", "scales_ptr": "*fp32", "numel": "i32"},
                {"BLOCK": 256, "ROWS": 16, "UPDATE_RESIDUAL": update}, {"num_warps": 4})
-    yield ("1-bit unpack", onebit._unpack_kernel, HOPPER,
+    yield ("1-bit unpack", onebit_triton._unpack_kernel, HOPPER,
            {"signs_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "numel": "i32"},
            {"BLOCK": 256, "TILE": 4096}, {"num_warps": 4})
 
