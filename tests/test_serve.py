@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -378,3 +379,16 @@ def test_metrics_show_the_queue_while_the_batch_is_full(server, monkeypatch):
     assert status == 200 and len(answer["choices"]) == 6
     _, samples = scrape(server)
     assert samples[("tscale_sequences_waiting", ())] == 0 and samples[("tscale_generation_tokens_total", ())] == 18
+
+
+def test_a_client_resetting_its_kept_alive_connection_leaves_no_traceback(server, capfd):
+    host, port = server.server_address[:2]
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    connection.request("GET", "/health")
+    assert connection.getresponse().read()
+    # The server now waits for the next request on this connection; a reset (not a FIN) ends it.
+    connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    connection.close()
+    assert request(server, "GET", "/health")[0].status == 200
+    time.sleep(0.2)  # the handler thread of the reset connection has long run by now
+    assert "Traceback" not in capfd.readouterr().err

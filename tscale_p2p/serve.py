@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -259,6 +260,15 @@ class CompletionServer(ThreadingHTTPServer):
             raise UserError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
         self.service.start()
         self._thread: threading.Thread | None = None
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that drops its kept-alive connection (the openai package does when its program exits) is
+        routine: a debug line, not socketserver's traceback on stderr."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionResetError, BrokenPipeError)):
+            log.debug("client %s closed its connection: %s", client_address[0], error)
+        else:
+            super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:
