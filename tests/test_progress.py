@@ -71,7 +71,38 @@ def test_work_in_another_thread_reports_to_the_board_and_the_terminal_gets_it_ba
     assert board.snapshot() == ()
 
 
+def test_a_library_s_own_bar_is_for_the_terminal_only(capsys):
+    with long_work("training a BPE", total=10, library_bar=True) as work:
+        assert work.on_terminal  # the caller switches the library's bar on; long_work shows nothing itself
+        work.advance(10)
+    assert capsys.readouterr().err == ""
+    board = ProgressBoard()
+    with showing_progress_on(board):
+        with long_work("training a BPE", total=10, library_bar=True) as work:
+            assert not work.on_terminal  # under the dashboard the library's bar stays off: the board shows it
+            work.advance(4)
+            assert [(w.description, w.completed) for w in board.snapshot()] == [("training a BPE", 4)]
+
+
 def test_an_unknown_unit_is_a_bug_of_the_caller():
     with pytest.raises(ValueError, match="unit"):
         with long_work("counting", unit="apples"):
             pass
+
+
+def test_bpe_training_reports_the_bytes_it_has_read_to_the_dashboard(tmp_path):
+    from tscale_p2p.data import load_corpus
+    from tscale_p2p.tokenizer import train_bpe
+
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"word{i % 97} thing{i % 13}" for i in range(4000)))
+    reports: list[WorkProgress] = []
+
+    class Recording(ProgressBoard):
+        def refresh(self, work) -> None:
+            reports.append(work.snapshot())
+
+    with showing_progress_on(Recording()):
+        train_bpe(load_corpus(str(text)), 300, cache_dir=tmp_path / "tok")
+    assert reports and {r.description for r in reports} == {"training a BPE of 300 tokens"}
+    assert 0 < reports[-1].completed == reports[-1].total

@@ -14,6 +14,9 @@ Code that does long work says what it does and how far it has got; it never pick
 `total=None` is work of unknown size (a spinner, an indeterminate bar); `update(total=...)` may set it later.
 `delay` keeps quick jobs quiet: nothing is shown before that many seconds have passed (checked when the work
 reports). `transient=True` removes the line when the work ends; otherwise its last description stays.
+Work done by a library that draws a progress bar of its own (Hugging Face tokenizers' trainer) passes
+`library_bar=True`: on a terminal `long_work` then shows nothing and `work.on_terminal` tells the caller to
+switch the library's bar on; under the dashboard the library's bar stays off and the work reports as usual.
 
 Where it shows: a rich progress bar on stderr by default (`TerminalProgress`). While the dashboard owns the
 terminal it routes all long work of the process into a `ProgressBoard` (`showing_progress_on`), which its
@@ -51,7 +54,7 @@ class LongWork:
     """A piece of long work in progress, as `long_work` hands it out: report with `advance` and `update`."""
 
     def __init__(self, description: str, total: float | None, unit: str, delay: float, transient: bool,
-                 display: ProgressDisplay) -> None:
+                 display: ProgressDisplay, on_terminal: bool = False) -> None:
         if unit not in UNITS:
             raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
         self.description, self.total, self.unit = description, total, unit
@@ -59,6 +62,7 @@ class LongWork:
         self.completed = 0.0
         self.started = time.monotonic()
         self._display = display
+        self.on_terminal = on_terminal  # with `library_bar`: the library should draw its own bar
         self._shown = False
         self._lock = threading.Lock()  # a display may read the work from another thread
 
@@ -143,6 +147,19 @@ class TerminalProgress(ProgressDisplay):
         bar.stop()
 
 
+class _Unseen(ProgressDisplay):
+    """Shows nothing: for work whose library draws its own bar on the terminal."""
+
+    def begin(self, work: LongWork) -> None:
+        pass
+
+    def refresh(self, work: LongWork) -> None:
+        pass
+
+    def end(self, work: LongWork) -> None:
+        pass
+
+
 class ProgressBoard(ProgressDisplay):
     """The long work in progress, for a display in another thread to read (the dashboard's progress line).
 
@@ -180,11 +197,12 @@ _display: ProgressDisplay = TerminalProgress()
 
 @contextmanager
 def long_work(description: str, total: float | None = None, *, unit: str = "bytes", delay: float = 0.0,
-              transient: bool = False) -> Iterator[LongWork]:
+              transient: bool = False, library_bar: bool = False) -> Iterator[LongWork]:
     """Report a piece of long work (see the module's docstring) to the display in use when it starts."""
     with _display_lock:
         display = _display
-    work = LongWork(description, total, unit, delay, transient, display)
+    on_terminal = library_bar and isinstance(display, TerminalProgress)
+    work = LongWork(description, total, unit, delay, transient, _Unseen() if on_terminal else display, on_terminal)
     work._report()
     try:
         yield work

@@ -42,6 +42,7 @@ import torch
 
 from tscale_p2p.data import ByteTokenizer, Corpus, TokenStream, _SlowJobProgress, default_cache_dir
 from tscale_p2p.errors import UserError
+from tscale_p2p.progress import long_work
 
 log = logging.getLogger(__name__)
 
@@ -275,12 +276,19 @@ def train_bpe(corpus: Corpus, vocab: int, *, seed: int = 0, cache_dir=None) -> B
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # no invented space: exact round trips
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=True
-    )
     tokens = corpus.train.tokens
-    texts = (bytes(tokens[a:b]).decode("utf-8", errors="replace") for a, b in pieces)
-    hf.train_from_iterator(texts, trainer=trainer, length=len(pieces))
+    # On a terminal, tokenizers' own bar; under the dashboard, its progress line (that bar would draw over it).
+    with long_work(f"training a BPE of {vocab} tokens", total=sample_bytes, transient=True, library_bar=True) as work:
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=work.on_terminal
+        )
+
+        def texts():
+            for a, b in pieces:
+                yield bytes(tokens[a:b]).decode("utf-8", errors="replace")
+                work.advance(b - a)
+
+        hf.train_from_iterator(texts(), trainer=trainer, length=len(pieces))
     tokenizer = BPETokenizer(hf.to_str(), repr(str(path)))
     if tokenizer.vocab_size < vocab:
         log.info("%s holds only %d distinct merges: the BPE has %d tokens, not %d", corpus.source,
