@@ -273,7 +273,7 @@ def test_chat_messages_become_a_transcript_and_the_answer_comes_in_the_chat_shap
 
 def test_chat_streams_role_then_content_deltas_then_usage_when_asked(server):
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}], "max_tokens": 20,
-            "temperature": 0}
+            "temperature": 0, "tool_choice": "auto", "user": "someone"}  # fields that change nothing pass
     _, payload = request(server, "POST", "/v1/chat/completions", body)
     whole = json.loads(payload)
     response, payload = request(server, "POST", "/v1/chat/completions",

@@ -40,10 +40,10 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # unless they hold their neutral value, rather than silently ignored.
 _UNSUPPORTED = {"logprobs": None, "suffix": None, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
                 "logit_bias": {}}
-# The same for /v1/chat/completions (OpenAI's chat requests have boolean logprobs, tools, formats).
+# The same for /v1/chat/completions (OpenAI's chat requests have boolean logprobs, tools, formats; a tool_choice
+# without tools changes nothing, so it passes).
 _UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": None, "presence_penalty": 0, "frequency_penalty": 0,
-                     "logit_bias": {}, "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
-                     "response_format": {"type": "text"}}
+                     "logit_bias": {}, "tools": [], "functions": [], "response_format": {"type": "text"}}
 
 
 class RequestError(Exception):
