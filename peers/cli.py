@@ -14,7 +14,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from tscale_p2p.cli import add_dataclass_flags, train_config_from_args
-from tscale_p2p.config import TrainConfig, read_toml_section
+from tscale_p2p.config import SYNC_FIELDS, TrainConfig, read_toml_section
 from tscale_p2p.errors import UserError
 
 DEFAULT_RUN_ID = "tscale"
@@ -69,7 +69,8 @@ def add_join_parser(commands) -> None:
     swarm.add_argument("--no-tui", action="store_true", help="plain log lines instead of the dashboard")
     training = join.add_argument_group("training (a joiner adopts the run's model and schedule)")
     training.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file; flags override it")
-    add_dataclass_flags(training, TrainConfig, skip=("resume",))  # join resumes whenever OUT has a checkpoint
+    # join resumes whenever OUT has a checkpoint; the data-parallel settings belong to `train`
+    add_dataclass_flags(training, TrainConfig, skip=("resume", *SYNC_FIELDS))
     join.set_defaults(handler=run_join)
 
 

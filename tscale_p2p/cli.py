@@ -12,6 +12,7 @@ from tscale_p2p import __version__
 from tscale_p2p.config import TrainConfig, field_types
 from tscale_p2p.errors import UserError
 from tscale_p2p.generate_cli import add_infer_parser, add_serve_parser
+from tscale_p2p.launch import add_launch_flags, check_launch_flags, launch, launch_flags_given
 
 PROG = "tscale-peer"
 
@@ -74,6 +75,7 @@ def build_parser() -> ArgumentParser:
     )
     train.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file; flags override it")
     add_dataclass_flags(train, TrainConfig)
+    add_launch_flags(train)
     train.set_defaults(handler=run_train)
 
     from tscale_p2p.peers.cli import add_join_parser, add_peers_parser  # here: peers.cli imports this module
@@ -88,14 +90,27 @@ def build_parser() -> ArgumentParser:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """Solo; one rank of a data-parallel run under torchrun; or, with --nproc-per-node, the ranks' launcher."""
+    from tscale_p2p.distributed import RankEnvironment, check_sync_config, train_data_parallel
     from tscale_p2p.solo import train_solo
 
-    return train_solo(train_config_from_args(args))
+    cfg = train_config_from_args(args)
+    env = RankEnvironment.from_environ()
+    if launch_flags_given(args):
+        if env is not None:
+            raise UserError("--nproc-per-node starts ranks itself: drop it when running under torchrun")
+        check_sync_config(cfg, check_launch_flags(args))
+        return launch(args, args.argv)
+    if env is not None:
+        return train_data_parallel(cfg, env)
+    check_sync_config(cfg, 1)
+    return train_solo(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the launcher hands it on to the ranks
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(message)s",

@@ -25,6 +25,8 @@ ACCUMULATE_ON = ("device", "host")
 GRAD_ROUNDING = ("nearest", "stochastic")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "wsd")
+SYNC_COMPRESSIONS = ("auto", "none", "bf16", "powersgd", "onebit")
+SYNC_FIELDS = ("sync_compression", "sync_warmup_steps", "sync_timeout")  # data-parallel `train` only, not `join`
 
 # Built-in model shapes: tiny enough to train on a laptop CPU, and GPT-2-small's shape on a GPU.
 DEFAULT_CPU_MODEL = "e128h4d4w256"
@@ -71,6 +73,9 @@ class TrainConfig:
     out: str = field(default="runs/tscale", metadata={"help": "run folder for checkpoints"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest valid checkpoint in --out"})
     seed: int = field(default=0, metadata={"help": "seed for weights and data sampling"})
+    sync_compression: str = field(default="auto", metadata={"choices": SYNC_COMPRESSIONS, "help": "data-parallel runs: how gradients are exchanged: none (fp32 all-reduce), bf16, powersgd (rank 1), onebit (signs + a scale per 256 values with error feedback, ~1.06 bits/value each way); auto is onebit on 2+ ranks"})
+    sync_warmup_steps: int = field(default=10, metadata={"help": "data-parallel runs: uncompressed steps before onebit/powersgd start, at every start or resume"})
+    sync_timeout: float = field(default=300.0, metadata={"help": "data-parallel runs: seconds a rank waits in an exchange before giving the other ranks up as lost (must exceed rank 0's evaluation and checkpoint time)"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +106,10 @@ class TrainConfig:
                 raise UserError(f"{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if self.context is not None and self.context < 2:
             raise UserError(f"context must be at least 2 tokens, got {self.context}")
+        if self.sync_warmup_steps < 0:
+            raise UserError(f"sync-warmup-steps must not be negative, got {self.sync_warmup_steps}")
+        if not self.sync_timeout > 0:
+            raise UserError(f"sync-timeout must be a positive number of seconds, got {self.sync_timeout}")
         if not self.lr > 0:
             raise UserError(f"lr must be positive, got {self.lr}")
 

@@ -7,6 +7,8 @@ import signal
 import threading
 from pathlib import Path
 
+import torch
+
 from tscale_p2p.checkpoint import find_latest, resume_from
 from tscale_p2p.config import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, TrainConfig
 from tscale_p2p.data import load_corpus
@@ -72,9 +74,10 @@ def model_config_for(
     return model_cfg
 
 
-def prepare_trainer(cfg: TrainConfig) -> Trainer:
-    """Build the trainer for `cfg`, resuming from --out when asked; refuses to clobber an existing run."""
-    device = resolve_device(cfg.device)
+def prepare_trainer(cfg: TrainConfig, make_trainer=Trainer, device: torch.device | None = None) -> Trainer:
+    """Build the trainer for `cfg`, resuming from --out when asked; refuses to clobber an existing run.
+    `make_trainer(model_cfg, cfg, corpus, device)` builds it (the data-parallel mode passes its own)."""
+    device = device or resolve_device(cfg.device)
     out = Path(cfg.out)
     checkpoint = None
     if cfg.resume:
@@ -87,50 +90,74 @@ def prepare_trainer(cfg: TrainConfig) -> Trainer:
     corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, device_type=device.type, **saved)
     log.info("data: %s", corpus.description)
     model_cfg = model_config_for(cfg, device.type, corpus.vocab_size, checkpoint.model_config if checkpoint else None)
-    trainer = Trainer(model_cfg, cfg, corpus, device)
+    trainer = make_trainer(model_cfg, cfg, corpus, device)
     if checkpoint is not None:
         trainer.restore(checkpoint)
         log.info("resumed from %s at step %d", checkpoint.path, trainer.step)
     return trainer
 
 
+class Alone:
+    """The team of a solo run for `run_training`: it leads, and its own stop request is the only one."""
+
+    leader = True
+
+    def should_stop(self, requested: bool) -> bool:
+        return requested
+
+    def mean_loss(self, loss: torch.Tensor) -> float:
+        return loss.item()
+
+
 def train_solo(cfg: TrainConfig) -> int:
     """Train until --steps or a stop signal; always leave a checkpoint behind. Returns the exit code."""
-    trainer = prepare_trainer(cfg)
-    log.info(
-        "training %s (%.2fM parameters, windows %s) on %s, %s, %s, for %d steps",
-        trainer.model_cfg.dims,
-        sum(p.numel() for p in trainer.model.parameters()) / 1e6,
-        trainer.model_cfg.layer_windows(),
-        cfg.data,
-        trainer.device,
-        trainer.precision,
-        cfg.steps,
-    )
+    return run_training(prepare_trainer(cfg), cfg)
+
+
+def run_training(trainer: Trainer, cfg: TrainConfig, team=Alone()) -> int:
+    """The training loop of a solo run and of every rank of a data-parallel one (`team` says who leads:
+    logs, evaluates, saves; and whether any member asked to stop). Always leaves a checkpoint behind."""
+    if team.leader:
+        log.info(
+            "training %s (%.2fM parameters, windows %s) on %s, %s, %s, for %d steps",
+            trainer.model_cfg.dims,
+            sum(p.numel() for p in trainer.model.parameters()) / 1e6,
+            trainer.model_cfg.layer_windows(),
+            cfg.data,
+            trainer.device,
+            trainer.precision,
+            cfg.steps,
+        )
     watch, tokens_since = Stopwatch(trainer), 0
     with GracefulStop() as stop:
-        while trainer.step < cfg.steps and not stop.requested:
+        while trainer.step < cfg.steps and not team.should_stop(stop.requested):
             stats = trainer.local_step()
             tokens_since += stats.tokens
             if stats.step % cfg.log_every == 0 or stats.step == cfg.steps:
+                loss = team.mean_loss(stats.loss)
                 rate, mfu = trainer.throughput(tokens_since, watch.lap())
                 tokens_since = 0
-                log.info(
-                    "step %d/%d  loss %.4f  lr %.2e  %.0f tok/s%s",
-                    stats.step,
-                    cfg.steps,
-                    stats.loss.item(),
-                    stats.lr,
-                    rate,
-                    f"  MFU {mfu:.1%}" if mfu is not None else "",
-                )
+                if team.leader:
+                    log.info(
+                        "step %d/%d  loss %.4f  lr %.2e  %.0f tok/s%s",
+                        stats.step,
+                        cfg.steps,
+                        loss,
+                        stats.lr,
+                        rate,
+                        f"  MFU {mfu:.1%}" if mfu is not None else "",
+                    )
+            if not team.leader:
+                continue
             if cfg.eval_every and stats.step % cfg.eval_every == 0 and stats.step < cfg.steps:
                 report_eval(trainer)
             if cfg.save_every and stats.step % cfg.save_every == 0 and stats.step < cfg.steps:
                 trainer.save(cfg.out)
-    if not stop.requested:
-        report_eval(trainer)
-    trainer.save(cfg.out)
+        stopped = team.should_stop(stop.requested)
+    if team.leader:
+        if not stopped:
+            report_eval(trainer)
+        trainer.save(cfg.out)
     return 0
 
 

@@ -7,6 +7,7 @@ knows about the network.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -204,10 +205,11 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
-        for _ in range(self.cfg.grad_accum):
+        for micro in range(self.cfg.grad_accum):
             x, y = next(self.train_batches)
-            loss = self._loss(x, y) / self.cfg.grad_accum
-            loss.backward()
+            with self._accumulating(last=micro == self.cfg.grad_accum - 1):
+                loss = self._loss(x, y) / self.cfg.grad_accum
+                loss.backward()
             total += loss.detach()
         if self.cfg.grad_clip > 0 and not self.offloaded:  # the offloaded optimizer clips on the host
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -218,6 +220,11 @@ class Trainer:
         tokens = self.cfg.grad_accum * self.cfg.batch_size * self.context
         self.tokens_seen += tokens
         return StepStats(step=self.step, loss=total, lr=lr, tokens=tokens)
+
+    def _accumulating(self, last: bool):
+        """The context of one micro-batch's forward and backward (data-parallel training exchanges gradients
+        only on the `last`)."""
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def evaluate(self, *, whole_split: bool = False) -> EvalStats:

@@ -1,0 +1,154 @@
+"""DDP communication hooks for `--sync-compression`: torch's own for none/bf16/powersgd, and our 1-bit one.
+
+`OneBitAllReduce` is DeepSpeed's compressed all-reduce (1-bit Adam) on torch.distributed collectives. On each of
+W ranks a gradient bucket of n values is padded to W chunks of whole 1-bit blocks, then:
+
+1. the rank packs `bucket + worker residual` to signs and one bf16 scale per block (`kernels.onebit`, Triton on
+   a GPU, torch on the CPU); the residual keeps what the packing lost (error feedback);
+2. all-to-all: chunk j of every rank's packed bucket goes to rank j, which unpacks the W versions of its chunk
+   and averages them;
+3. the reducer packs `mean + server residual` (its own residual, for the chunk it reduces) and all-gathers
+   the packed chunk; every rank unpacks all W chunks, so every rank applies the same averaged gradient.
+
+Both exchanges carry 1 bit per value plus 16 bits per block (1.0625 bits/value with 256-value blocks), each way.
+Over many steps the sum of what was applied equals the sum of the true mean gradients minus the residuals
+currently held (the mean of the worker residuals plus the server residuals): the error never accumulates.
+
+The first `warmup_steps` optimizer steps of a process use the plain all-reduce: DDP rebuilds its buckets after
+its first step (so residuals sized for the first layout would be wasted), and 1-bit Adam too starts with
+uncompressed steps. Residuals are per rank and per bucket and live only in memory: a restart (on any world
+size) starts them from zero, which forgets at most one step's rounding error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from tscale_p2p.errors import UserError
+from tscale_p2p.kernels.onebit import error_feedback_pack, unpack
+
+COMPRESSIONS = ("none", "bf16", "powersgd", "onebit")
+BLOCK_SIZE = 256  # the swarm codec's block size (measured there: benchmarks/RESULTS.md)
+
+# all_gather_into_tensor was renamed all_gather_single in torch 2.12; the GPU machine runs 2.11.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class WireCount:
+    """Bytes this rank handed to collectives for other ranks, and gradient values communicated."""
+
+    bytes_sent: int = 0
+    values: int = 0
+
+
+@dataclass
+class OneBitAllReduce:
+    """1-bit compressed all-reduce (mean) with worker and server error feedback; see the module docstring."""
+
+    group: dist.ProcessGroup | None = None
+    warmup_steps: int = 0
+    block_size: int = BLOCK_SIZE
+    steps: int = 0  # optimizer steps (hook calls on the last bucket) seen so far
+    worker_residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    server_residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    wire: WireCount = field(default_factory=WireCount)
+
+    def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The DDP comm hook (`ddp.register_comm_hook(state, OneBitAllReduce.ddp_hook)` form)."""
+        warming_up = self.steps < self.warmup_steps
+        if bucket.is_last():
+            self.steps += 1
+        if warming_up:
+            return default_hooks.allreduce_hook(self.group, bucket)
+        return self.reduce(bucket.index(), bucket.buffer())
+
+    @staticmethod
+    def ddp_hook(state, bucket):  # unannotated: DDP checks annotations, which this module keeps as strings
+        return state.hook(bucket)
+
+    def layout(self, numel: int) -> tuple[int, int]:
+        """(world size, values per chunk): W chunks of whole blocks covering `numel` values."""
+        world = dist.get_world_size(self.group)
+        span = world * self.block_size
+        return world, (numel + span - 1) // span * self.block_size
+
+    def reduce(self, key: int, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Average `tensor` over the group in place, 1-bit compressed; `key` names its residuals (a bucket).
+        Returns a future holding `tensor`."""
+        world, chunk = self.layout(tensor.numel())
+        rank = dist.get_rank(self.group)
+        numel, block = tensor.numel(), self.block_size
+        sign_bytes, scale_count = chunk // 8, chunk // block
+        flat = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
+        flat[:numel] = tensor.reshape(-1)
+        residual = self._residual(self.worker_residuals, key, world * chunk, tensor.device)
+        signs, scales = error_feedback_pack(flat, residual, block)
+        residual[numel:] = 0  # padding is not a gradient: keep no error for it
+        send = torch.cat([signs.view(world, sign_bytes), scales.view(world, scale_count).view(torch.uint8)], dim=1)
+        received = torch.empty_like(send)
+        row_bytes = send.shape[1]
+        gathered = torch.empty(world * row_bytes, dtype=torch.uint8, device=tensor.device)
+        self.wire.bytes_sent += 2 * (world - 1) * row_bytes  # a chunk to each other rank, twice
+        self.wire.values += numel
+        padding_from = max(0, min(chunk, numel - rank * chunk))  # where this rank's chunk runs past the tensor
+        # Each exchange completes before the next starts: collectives must be issued in the same order on
+        # every rank, and issuing the all-gather from a completion callback would race the next bucket's.
+        dist.all_to_all_single(received, send, group=self.group)
+        mean = self._mean_of_packed(received, chunk)
+        mean[padding_from:] = 0
+        server_residual = self._residual(self.server_residuals, key, chunk, tensor.device)
+        own_signs, own_scales = error_feedback_pack(mean, server_residual, block)
+        server_residual[padding_from:] = 0
+        _all_gather_flat(gathered, torch.cat([own_signs, own_scales.view(torch.uint8)]), group=self.group)
+        tensor.copy_(self._unpack_rows(gathered.view(world, row_bytes), chunk)[:numel].view_as(tensor))
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+
+    def _unpack_rows(self, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Row i holds one packed chunk (signs, then bf16 scales as bytes); returns the rows decoded, flat."""
+        sign_bytes = chunk // 8
+        return torch.cat([
+            unpack(row[:sign_bytes], row[sign_bytes:].view(torch.bfloat16), chunk, self.block_size) for row in rows
+        ])
+
+    def _mean_of_packed(self, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+        return self._unpack_rows(rows, chunk).view(rows.shape[0], chunk).sum(dim=0).div_(rows.shape[0])
+
+    @staticmethod
+    def _residual(store: dict[int, torch.Tensor], key: int, numel: int, device: torch.device) -> torch.Tensor:
+        """The residual for `key`, zeros when new or when the bucket changed size (DDP's rebuild)."""
+        residual = store.get(key)
+        if residual is None or residual.numel() != numel or residual.device != device:
+            residual = store[key] = torch.zeros(numel, dtype=torch.float32, device=device)
+        return residual
+
+
+def register_compression(
+    ddp: torch.nn.parallel.DistributedDataParallel, compression: str, warmup_steps: int,
+    group: dist.ProcessGroup | None = None,
+) -> OneBitAllReduce | None:
+    """Install the comm hook for `compression` on `ddp`; returns the 1-bit state (for its byte count) or None."""
+    if compression not in COMPRESSIONS:
+        raise UserError(f"invalid sync-compression {compression!r}; choose one of {', '.join(COMPRESSIONS)}")
+    if compression == "onebit":
+        state = OneBitAllReduce(group=group, warmup_steps=warmup_steps)
+        ddp.register_comm_hook(state, OneBitAllReduce.ddp_hook)
+        return state
+    if compression == "powersgd":
+        if warmup_steps < 2:  # torch's PowerSGD refuses to start before DDP's second step
+            raise UserError(f"sync-warmup-steps must be at least 2 with powersgd, got {warmup_steps}")
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=warmup_steps
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return None
+    hooks: dict[str, Callable] = {"none": default_hooks.allreduce_hook, "bf16": default_hooks.bf16_compress_hook}
+    ddp.register_comm_hook(group, hooks[compression])
+    return None
