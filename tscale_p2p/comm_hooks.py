@@ -46,6 +46,12 @@ class WireCount:
     bytes_sent: int = 0
     values: int = 0
 
+    def bits_per_value_each_way(self, world_size: int) -> float:
+        """Bits sent per value in each direction (to the reducers, back from them); an fp32 ring all-reduce,
+        which also sends (W-1)/W of the values each way, reads 32 here."""
+        share = 2 * (world_size - 1) / world_size * self.values
+        return 8 * self.bytes_sent / share if share else 0.0
+
 
 @dataclass
 class OneBitAllReduce:

@@ -198,7 +198,11 @@ def train_data_parallel(cfg: TrainConfig, env: RankEnvironment) -> int:
                 log.info("data-parallel: %d ranks, %s, gradients exchanged with %s (first %d steps uncompressed)",
                          env.world_size, dist.get_backend(), compression,
                          cfg.sync_warmup_steps if compression in ("onebit", "powersgd") else 0)
-            return run_training(trainer, cfg, team)
+            code = run_training(trainer, cfg, team)
+            if team.leader and trainer.onebit is not None and trainer.onebit.wire.values:
+                log.info("onebit: %.4f bits/value each way (signs and scales, counted by the hook)",
+                         trainer.onebit.wire.bits_per_value_each_way(env.world_size))
+            return code
         except RankLost as lost:
             return report_lost(env.rank, str(lost), cfg)
         except (RuntimeError, dist.DistError) as error:
