@@ -290,9 +290,9 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
             raise UserError(f"--init-from {start.path} holds model {ModelConfig.from_dict(start.model_config).dims}, "
                             f"but run {options.run_id!r} trains {run.model_config.dims}")
     else:
-        saved = {} if start is None else {"saved": checkpoint_tokenizer(
+        of_start = {} if start is None else {"saved": checkpoint_tokenizer(
             start.path, start.meta, int(start.model_config.get("vocab_size", 0)))}
-        corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, device_type=device.type, **saved)
+        corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, device_type=device.type, **of_start)
         save_run_tokenizer(cfg.out, corpus.tokenizer)
         run = RunConfig.from_settings(
             cfg,
