@@ -11,7 +11,7 @@ For each corpus (the stdlib default, tiny Shakespeare) and tokenizer (byte, bpe:
    run's steps. Reported: val loss in nats/token over `--eval-batches` fixed batches, and bits per byte
    (nats / ln 2 / the val split's bytes per token).
 
-    python benchmarks/tokenizer.py [--device cpu|cuda] [--steps 300] [--batch-size 8]
+    python benchmarks/tokenizer.py [--device cpu|cuda] [--steps 300] [--batch-size 8] [--part both|quality|cost]
         [--data stdlib,/work/shared/data/tinyshakespeare.txt] [--tokenizers byte,bpe:2048,bpe:8192,bpe:32768]
 """
 
