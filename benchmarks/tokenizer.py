@@ -99,9 +99,12 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--data", default=DEFAULT_DATA, help="comma-separated --data sources")
     parser.add_argument("--tokenizers", default=DEFAULT_TOKENIZERS, help="comma-separated; the first sets the budget")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--part", choices=("both", "quality", "cost"), default="both",
                         help="quality: the equal-FLOPs training runs; cost: the timed tokenizer training and tokenizing")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.model = args.model or (DEFAULT_GPU_MODEL if args.device == "cuda" else DEFAULT_CPU_MODEL)
     specs = args.tokenizers.split(",")
     rows = []
