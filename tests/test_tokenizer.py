@@ -26,9 +26,9 @@ TINY = ["--model", "e32h2d2w64", "--batch-size", "4", "--device", "cpu", "--save
 UNICODE = "naïve café — 日本語 🙂 tabs\tand\r\nnewlines\n\n  spaces  "
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("TSCALE_CACHE_DIR", str(tmp_path / "cache"))
+@pytest.fixture
+def cache(tmp_path) -> Path:
+    """Where conftest's autouse fixture points TSCALE_CACHE_DIR."""
     return tmp_path / "cache"
 
 
@@ -216,7 +216,7 @@ def test_bad_tokenizers_are_refused_in_one_line(flags, fragment, text_file, tmp_
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_a_joiner_adopts_the_founders_tokenizer_and_both_train(text_file, tmp_path, cache, capsys):
+def test_a_joiner_adopts_the_founders_tokenizer_and_both_train(text_file, tmp_path, capsys):
     from test_swarm import FAST_ROUNDS, Process, join_args, join_flags, rounds
 
     started: list[Process] = []
