@@ -204,6 +204,9 @@ def main() -> None:
     parser.add_argument("--work", help="keep logs in this new folder (default: a temporary one)")
     args = parser.parse_args()
     compressions = args.compressions.split(",")
+    if args.device == "cpu" and "bf16" in compressions:  # torch's bf16 hook needs NCCL
+        print("# bf16 left out: torch's bf16 hook runs on NCCL (GPUs) only")
+        compressions.remove("bf16")
     rates = args.rates.split(",") if args.device == "cpu" else ["none"]
     if any(r != "none" for r in rates) and os.geteuid() != 0:
         raise SystemExit("shaped rates need root (network namespaces and tc); use --rates none otherwise")

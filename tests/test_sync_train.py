@@ -185,6 +185,7 @@ def test_a_killed_rank_makes_the_others_exit_with_one_clear_line(corpus, tmp_pat
     (["--nproc-per-node", "2", "--sync-compression", "powersgd", "--sync-warmup-steps", "1"], "at least 2 with powersgd"),
     (["--nproc-per-node", "2", "--sync-timeout", "0"], "sync-timeout must be a positive number of seconds, got 0"),
     (["--nproc-per-node", "2", "--sync-compression", "twobit"], "invalid choice: 'twobit'"),
+    (["--nproc-per-node", "2", "--sync-compression", "bf16"], "bf16 needs GPUs"),
 ])
 def test_bad_flags_are_refused_in_one_line(argv, fragment, corpus, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:

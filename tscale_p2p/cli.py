@@ -93,17 +93,18 @@ def run_train(args: argparse.Namespace) -> int:
     """Solo; one rank of a data-parallel run under torchrun; or, with --nproc-per-node, the ranks' launcher."""
     from tscale_p2p.distributed import RankEnvironment, check_sync_config, train_data_parallel
     from tscale_p2p.solo import train_solo
+    from tscale_p2p.trainer import resolve_device
 
     cfg = train_config_from_args(args)
     env = RankEnvironment.from_environ()
     if launch_flags_given(args):
         if env is not None:
             raise UserError("--nproc-per-node starts ranks itself: drop it when running under torchrun")
-        check_sync_config(cfg, check_launch_flags(args))
+        check_sync_config(cfg, check_launch_flags(args), resolve_device(cfg.device).type)
         return launch(args, args.argv)
     if env is not None:
         return train_data_parallel(cfg, env)
-    check_sync_config(cfg, 1)
+    check_sync_config(cfg, 1, "cpu")
     return train_solo(cfg)
 
 

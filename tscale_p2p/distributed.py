@@ -80,9 +80,14 @@ def compression_for(cfg: TrainConfig, world_size: int) -> str:
     return cfg.sync_compression
 
 
-def check_sync_config(cfg: TrainConfig, world_size: int) -> None:
-    """Refuse settings that cannot work at this world size, before any rank starts."""
+def check_sync_config(cfg: TrainConfig, world_size: int, device_type: str) -> None:
+    """Refuse settings that cannot work at this world size and on this device, before any rank starts."""
     compression = compression_for(cfg, world_size)
+    if compression == "bf16" and device_type != "cuda" and world_size > 1:
+        raise UserError(
+            "sync-compression bf16 needs GPUs: torch's bf16 hook runs on NCCL only, not on gloo (CPU ranks); "
+            "use none, powersgd or onebit"
+        )
     if world_size == 1 and compression != "none":
         raise UserError(
             f"sync-compression {compression} compresses what ranks exchange, and world size 1 exchanges nothing: "
@@ -180,8 +185,8 @@ def first_line(error: BaseException) -> str:
 
 def train_data_parallel(cfg: TrainConfig, env: RankEnvironment) -> int:
     """One rank of a data-parallel run; returns the exit code (0, or 1 when another rank was lost)."""
-    check_sync_config(cfg, env.world_size)
     device = resolve_device(cfg.device)
+    check_sync_config(cfg, env.world_size, device.type)
     if device.type == "cuda":
         torch.cuda.set_device(env.local_rank)
         device = torch.device("cuda", env.local_rank)
