@@ -304,6 +304,10 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
         )
         log.info("started run %r (config %s): model %s, %d inner steps", options.run_id, run.hash[:12],
                  run.model_config.dims, run.inner_steps)
+    if cfg.index is not None or run.model_config.index is not None:
+        from tscale_p2p.index import check_index_flag
+
+        check_index_flag(run.model_config.index, cfg.index, f"run {options.run_id!r}")
     if published is None:
         publish_run_config(dht, options.run_id, run)
     save_run_config(cfg.out, run)

@@ -13,6 +13,7 @@ from tscale_p2p.config import TrainConfig, field_types
 from tscale_p2p.errors import UserError
 from tscale_p2p.generate_cli import add_infer_parser, add_serve_parser
 from tscale_p2p.launch import add_launch_flags, check_launch_flags, launch, launch_flags_given
+from tscale_p2p.index_cli import add_index_parser
 
 PROG = "tscale-peer"
 
@@ -86,6 +87,7 @@ def build_parser() -> ArgumentParser:
     add_dashboard_parser(commands)
     add_infer_parser(commands)
     add_serve_parser(commands)
+    add_index_parser(commands)
     return parser
 
 

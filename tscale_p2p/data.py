@@ -156,10 +156,14 @@ class WindowSampler:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.stream.windows(self.next_starts(), self.context, self.device)
+
+    def next_starts(self) -> np.ndarray:
+        """The start positions of the next batch's windows (and count it drawn)."""
         rng = np.random.default_rng([self.seed, self.batches_drawn])
         starts = rng.integers(0, len(self.stream) - self.context, size=self.batch_size)
         self.batches_drawn += 1
-        return self.stream.windows(starts, self.context, self.device)
+        return starts
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "batches_drawn": self.batches_drawn}

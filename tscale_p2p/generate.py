@@ -246,10 +246,11 @@ class GenerationEngine(nn.Module):
 
     `admit` prefills new sequences into free slots (and samples their first token); `step` runs one decode
     step for every slot and hands each live sequence its next token. On CUDA the step is compiled into a CUDA
-    graph unless `compile=False`.
+    graph unless `compile=False`. A model with an index input needs its `index` (a `TokenIndex`): the match of
+    every generated token is looked up as it is produced, so those steps are not pipelined.
     """
 
-    def __init__(self, model: Transformer, slots: int = 1, compile: bool | None = None) -> None:
+    def __init__(self, model: Transformer, slots: int = 1, compile: bool | None = None, index=None) -> None:
         super().__init__()
         if slots < 1:
             raise UserError(f"the number of generation slots must be at least 1, got {slots}")
@@ -263,6 +264,11 @@ class GenerationEngine(nn.Module):
                 "this model was trained on a .bin of an unknown tokenizer, so text cannot be turned into its tokens; "
                 "train with --tokenizer PATH (that .bin's tokenizer.json) to make it decodable"
             )
+        if index is not None or cfg.index is not None:
+            from tscale_p2p.index import check_index_flag
+
+            check_index_flag(cfg.index, None if index is None else str(index.path), "the model")
+        self.index = index
         weight = model.tok_emb.weight
         device, dtype = weight.device, weight.dtype
         self.caches = nn.ModuleList(
@@ -276,6 +282,8 @@ class GenerationEngine(nn.Module):
         self.register_buffer("top_k", torch.zeros(slots, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("top_p", torch.ones(slots, device=device), persistent=False)
         self.register_buffer("noise", torch.ones(slots, cfg.vocab_size, device=device), persistent=False)
+        # each row's index match (next token, length) for its current token
+        self.register_buffer("matches", torch.zeros(slots, 2, dtype=torch.long, device=device), persistent=False)
         self.slots: list[GenerationSequence | None] = [None] * slots
         # Host-side buffers of the pipelined step, two of each: one step is in flight while the last is read.
         pinned = device.type == "cuda"
@@ -356,6 +364,7 @@ class GenerationEngine(nn.Module):
             seq.first_token_at = now
             deltas[seq] = seq.accept(token, self.cfg.context)
         self._release_finished()
+        self._look_up_current_tokens()
         return deltas
 
     @torch.no_grad()
@@ -368,9 +377,12 @@ class GenerationEngine(nn.Module):
         self._release_finished()  # cancelled since the last step
         if not self.active:
             return {}
-        if self._in_flight is None:
-            self._in_flight = self._launch()
-        finished, self._in_flight = self._in_flight, self._launch()
+        if self.index is not None:  # the next step's input needs this step's token looked up first
+            finished = self._launch()
+        else:
+            if self._in_flight is None:
+                self._in_flight = self._launch()
+            finished, self._in_flight = self._in_flight, self._launch()
         finished.ready()
         tokens = finished.tokens.tolist()
         deltas = {
@@ -379,7 +391,16 @@ class GenerationEngine(nn.Module):
             if seq is not None and seq is self.slots[row] and not seq.done
         }
         self._release_finished()
+        self._look_up_current_tokens()
         return deltas
+
+    def _look_up_current_tokens(self) -> None:
+        """With an index: the match of each live row's newest token, from the row's text so far."""
+        if self.index is None or not self.active:
+            return
+        rows = [row for row, seq in enumerate(self.slots) if seq is not None]
+        found = self.index.lookup_last([self.slots[row].prompt + self.slots[row].tokens for row in rows])
+        self.matches[torch.tensor(rows, device=self.device)] = found.to(self.device)
 
     def _launch(self) -> _LaunchedStep:
         """Start one decode step (asynchronously on CUDA) and the copy of its tokens to the host."""
@@ -427,7 +448,8 @@ class GenerationEngine(nn.Module):
         idx = torch.zeros(len(prompts), padded, dtype=torch.long)
         for i, prompt in enumerate(prompts):
             idx[i, : len(prompt)] = torch.tensor(prompt)
-        x = model.tok_emb(idx.to(self.device))
+        matches = None if self.index is None else self.index.lookup(idx).to(self.device)
+        x = model.embed(idx.to(self.device), matches)
         for block, cache in zip(model.blocks, self.caches):
             attn = block.attn
             q, k, v = attn.split_heads(block.attn_norm(x))
@@ -441,7 +463,7 @@ class GenerationEngine(nn.Module):
     def _decode_and_sample(self) -> torch.Tensor:
         """Feed every row's current token at its position, sample the next, advance. -> next tokens [B]."""
         model, positions = self.model, self.positions
-        x = model.tok_emb(self.tokens[:, None])
+        x = model.embed(self.tokens[:, None], None if self.index is None else self.matches[:, None])
         rotary_positions = positions[:, None, None]
         for block, cache in zip(model.blocks, self.caches):
             attn = block.attn

@@ -57,6 +57,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--fetch-timeout", type=float, default=60.0, metavar="S",
                         help="with --initial-peers: give up after S seconds without the model (default: 60)")
     parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--index", metavar="DIR",
+                        help="the index the model was trained with (tscale-peer index build), for a model with an index input")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--no-compile", dest="compile", action="store_false",
                         help="skip torch.compile / CUDA graphs (faster start, slower decoding)")
@@ -90,6 +92,16 @@ def _load_model(args: argparse.Namespace):
     return prepare_for_inference(fetched.build(), args.device, args.precision), run_id
 
 
+def _open_index(args: argparse.Namespace, model):
+    """--index, checked against the model's index input (or None for a model without one)."""
+    if args.index is None and model.cfg.index is None:
+        return None
+    from tscale_p2p.index import TokenIndex, check_index_flag
+
+    check_index_flag(model.cfg.index, args.index, "the model")
+    return TokenIndex.open(args.index)
+
+
 def run_infer(args: argparse.Namespace) -> int:
     from tscale_p2p.generate import GenerationEngine, SamplingParams, generate
 
@@ -98,7 +110,7 @@ def run_infer(args: argparse.Namespace) -> int:
         seed=args.seed, stop=tuple(args.stop),
     )
     model, _ = _load_model(args)
-    engine = GenerationEngine(model, slots=1, compile=None if args.compile else False)
+    engine = GenerationEngine(model, slots=1, compile=None if args.compile else False, index=_open_index(args, model))
 
     def complete(prompt: str) -> None:
         started = time.perf_counter()
@@ -141,7 +153,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise UserError(f"port must be in 0..65535, got {args.port}")
     model, model_id = _load_model(args)
-    engine = GenerationEngine(model, slots=args.max_batch, compile=None if args.compile else False)
+    engine = GenerationEngine(
+        model, slots=args.max_batch, compile=None if args.compile else False, index=_open_index(args, model)
+    )
     server = CompletionServer(engine, model_id, args.host, args.port)
     print(f"serving {model_id!r} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:

@@ -25,6 +25,7 @@ from tscale_p2p.errors import UserError
 
 WINDOW_SCHEDULES = ("tscale", "dense")
 MLP_KINDS = ("relu2", "swiglu")
+INDEX_LENGTHS = 33  # match lengths 0 (none) to index.MAX_MATCH
 _DIMS_LETTERS = {"e": "width", "h": "heads", "d": "depth", "w": "context"}
 
 
@@ -46,6 +47,7 @@ class ModelConfig:
     first_fraction: float = 0.15
     dropout: float = 0.0
     rope_base: float = 10000.0
+    index: str | None = None  # corpus hash of the index whose matches the model reads (index.py); None: no index input
 
     def __post_init__(self) -> None:
         for name in ("width", "heads", "depth", "context", "vocab_size", "short_window", "first_window"):
@@ -93,7 +95,10 @@ class ModelConfig:
         return f"e{self.width}h{self.heads}d{self.depth}w{self.context}"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if data["index"] is None:  # a model without an index input keeps today's config (and its hash) exactly
+            del data["index"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
@@ -133,6 +138,8 @@ class ModelConfig:
         total = self.depth * block + self.width
         if embeddings:
             total += 2 * self.vocab_size * self.width
+            if self.index is not None:
+                total += (self.vocab_size + 1 + INDEX_LENGTHS) * self.width
         return total
 
     def attention_flops_per_token(self, context: int | None = None) -> float:
@@ -299,6 +306,9 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.checkpointed_blocks = 0
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.width)
+        if cfg.index is not None:  # the index's guess of the next token (vocab_size: no match) and its match length
+            self.index_token_emb = nn.Embedding(cfg.vocab_size + 1, cfg.width)
+            self.index_length_emb = nn.Embedding(INDEX_LENGTHS, cfg.width)
         self.rotary = Rotary(cfg.head_dim, cfg.context, cfg.rope_base)
         self.blocks = nn.ModuleList(Block(cfg, window) for window in cfg.layer_windows())
         self.norm = nn.RMSNorm(cfg.width)
@@ -317,10 +327,20 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, matches: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings of idx [B, T]; a model with an index input adds those of its matches [B, T, 2]
+        (next token, match length; from `TokenIndex`)."""
+        x = self.tok_emb(idx)
+        if self.cfg.index is None:
+            return x
+        if matches is None:
+            raise ValueError("this model reads index matches: pass matches (TokenIndex.lookup)")
+        return x + self.index_token_emb(matches[..., 0]) + self.index_length_emb(matches[..., 1])
+
+    def forward(self, idx: torch.Tensor, matches: torch.Tensor | None = None) -> torch.Tensor:
         if idx.shape[1] > self.cfg.context:
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds the model context {self.cfg.context}")
-        x = self.dropout(self.tok_emb(idx))
+        x = self.dropout(self.embed(idx, matches))
         masks = block_masks_for(self.cfg.layer_windows(), idx.shape[1], idx.device)
         for index, block in enumerate(self.blocks):
             if index < self.checkpointed_blocks and torch.is_grad_enabled():
@@ -332,4 +352,5 @@ class Transformer(nn.Module):
     def execution_units(self) -> list[list[nn.Module]]:
         """The modules that hold parameters, grouped in the order the forward uses them; the first module of
         each group runs first (CPU offload moves weights unit by unit)."""
-        return [[self.tok_emb], *([block] for block in self.blocks), [self.norm, self.lm_head]]
+        embeddings = [self.tok_emb, self.index_token_emb, self.index_length_emb] if self.cfg.index else [self.tok_emb]
+        return [embeddings, *([block] for block in self.blocks), [self.norm, self.lm_head]]

@@ -52,8 +52,16 @@ def model_config_for(
 ) -> ModelConfig:
     """The model to train: from a checkpoint when resuming (explicit flags must agree), else from flags."""
     overrides = {"window_schedule": cfg.window_schedule, "mlp": cfg.mlp, "dropout": cfg.dropout, "vocab_size": vocab_size}
+    if cfg.index is not None:
+        from tscale_p2p.index import index_hash
+
+        overrides["index"] = index_hash(cfg.index)  # the model records which corpus's index it reads
     if saved is not None:
         model_cfg = ModelConfig.from_dict(saved)
+        if cfg.index is not None or model_cfg.index is not None:
+            from tscale_p2p.index import check_index_flag
+
+            check_index_flag(model_cfg.index, cfg.index, "the checkpoint's model")
         if cfg.model is not None:
             wanted = ModelConfig.from_dims(cfg.model, **overrides)
             if wanted.dims != model_cfg.dims:

@@ -126,7 +126,16 @@ class Trainer:
         if self.offloaded:
             self.model.to(device)  # the buffers: the offloaded optimizer has placed the parameters
         self.forward = self._compiled() if device.type == "cuda" and cfg.compile else self.model
-        self.train_batches = corpus.batches("train", cfg.batch_size, self.context, seed=cfg.seed, device=device)
+        self.index = None
+        if cfg.index is None and model_cfg.index is None:
+            self.train_batches = corpus.batches("train", cfg.batch_size, self.context, seed=cfg.seed, device=device)
+        else:
+            from tscale_p2p.index import IndexedWindowSampler, open_training_index  # numba: only with an index
+
+            self.index = open_training_index(cfg.index, model_cfg, corpus)
+            self.train_batches = IndexedWindowSampler(
+                corpus.train, self.index, cfg.batch_size, self.context, seed=cfg.seed, device=device
+            )
         self.step = 0
         self.tokens_seen = 0
         self.flops_per_token = model_cfg.flops_per_token(self.context)
@@ -193,9 +202,9 @@ class Trainer:
         enabled = self.device.type == "cuda" and self.precision != "fp32"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, matches: torch.Tensor | None = None) -> torch.Tensor:
         with self._autocast():
-            logits = self.forward(x)
+            logits = self.forward(x) if matches is None else self.forward(x, matches)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
     def local_step(self) -> StepStats:
@@ -206,9 +215,9 @@ class Trainer:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
         for micro in range(self.cfg.grad_accum):
-            x, y = next(self.train_batches)
+            batch = next(self.train_batches)  # (x, y), or (x, y, index matches)
             with self._accumulating(last=micro == self.cfg.grad_accum - 1):
-                loss = self._loss(x, y) / self.cfg.grad_accum
+                loss = self._loss(*batch) / self.cfg.grad_accum
                 loss.backward()
             total += loss.detach()
         if self.cfg.grad_clip > 0 and not self.offloaded:  # the offloaded optimizer clips on the host
@@ -233,9 +242,13 @@ class Trainer:
         self.model.eval()
         num_batches = None if whole_split else self.cfg.eval_batches
         batches = self.corpus.eval_batches(self.cfg.batch_size, self.context, num_batches, self.device)
-        losses = [self._loss(x, y) for x, y in batches]
+        losses = [self._loss(x, y, self._lookup(x)) for x, y in batches]
         loss = torch.stack(losses).mean().item()
         return EvalStats(loss=loss, bits_per_byte=self.corpus.bits_per_byte(loss))
+
+    def _lookup(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Index matches of windows that are not in the index (val), by lookup; None without an index."""
+        return None if self.index is None else self.index.lookup(x).to(self.device)
 
     def throughput(self, tokens: int, seconds: float) -> tuple[float, float | None]:
         """Tokens/s and model FLOPs utilisation (None where the device's peak is unknown)."""
