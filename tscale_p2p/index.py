@@ -51,7 +51,7 @@ import numba
 import numpy as np
 import torch
 
-from tscale_p2p.data import ByteTokenizer, WindowSampler, _SlowJobProgress
+from tscale_p2p.data import ByteTokenizer, WindowSampler
 from tscale_p2p.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,11 @@ def tokenizer_identity(corpus) -> str:
     tokenizer = corpus.tokenizer
     if tokenizer is None:
         return f"external-{corpus.vocab_size}"
-    identity = getattr(tokenizer, "identity", None)  # a tokenizer that names itself (e.g. by a hash of its vocab)
-    if isinstance(identity, str):
-        return identity
     if isinstance(tokenizer, ByteTokenizer):
         return "byte"
+    digest = getattr(tokenizer, "sha256", None)  # a trained tokenizer carries a hash of its vocabulary file
+    if isinstance(digest, str):
+        return f"{type(tokenizer).__name__}-{digest}"
     return f"{type(tokenizer).__name__}-{corpus.vocab_size}"
 
 
@@ -133,24 +133,25 @@ def build_index(corpus, out: str | os.PathLike, *, max_match: int = MAX_MATCH) -
         token_dtype = np.dtype(tokens.dtype).newbyteorder("<")
         stored = np.memmap(tmp / TOKENS_FILE, dtype=token_dtype, mode="w+", shape=(n,))
         digest = hashlib.sha256()
-        with _SlowJobProgress(f"index 1/3: copying {n:,} tokens", n * token_dtype.itemsize) as progress:
+        with _build_progress() as progress:
+            # The library sort and the compiled passes release the GIL, so the bar keeps moving through them.
+            task = progress.add_task(f"index 1/3: copying and hashing {n:,} tokens", total=n)
             for start in range(0, n, _HASH_CHUNK):
                 chunk = np.ascontiguousarray(tokens[start : start + _HASH_CHUNK], dtype=token_dtype)
                 stored[start : start + len(chunk)] = chunk
                 digest.update(chunk.tobytes())
-                progress.advance(chunk.nbytes)
-        stored.flush()
-        with _SlowJobProgress(f"index 2/3: suffix array of {n:,} tokens (libdivsufsort)", None) as progress:
+                progress.advance(task, len(chunk))
+            stored.flush()
+            progress.update(task, description=f"index 2/3: suffix array of {n:,} tokens (libdivsufsort)",
+                            total=None)
             ends = suffix_array_of_reversed(stored)
-            progress.advance(n)
-        suffixes = np.memmap(tmp / SUFFIXES_FILE, dtype=ends.dtype, mode="w+", shape=(n,))
-        suffixes[:] = ends
-        del ends
-        answer_tokens = np.memmap(tmp / ANSWER_TOKENS_FILE, dtype=token_dtype, mode="w+", shape=(n,))
-        answer_lengths = np.memmap(tmp / ANSWER_LENGTHS_FILE, dtype=np.uint8, mode="w+", shape=(n,))
-        with _SlowJobProgress(f"index 3/3: history-only answers of {n:,} positions", None) as progress:
+            suffixes = np.memmap(tmp / SUFFIXES_FILE, dtype=ends.dtype, mode="w+", shape=(n,))
+            suffixes[:] = ends
+            del ends
+            answer_tokens = np.memmap(tmp / ANSWER_TOKENS_FILE, dtype=token_dtype, mode="w+", shape=(n,))
+            answer_lengths = np.memmap(tmp / ANSWER_LENGTHS_FILE, dtype=np.uint8, mode="w+", shape=(n,))
+            progress.update(task, description=f"index 3/3: history-only answers of {n:,} positions")
             _history_answers(stored, suffixes, max_match, answer_tokens, answer_lengths)
-            progress.advance(n)
         for array in (suffixes, answer_tokens, answer_lengths):
             array.flush()
         manifest = {
@@ -181,6 +182,14 @@ def build_index(corpus, out: str | os.PathLike, *, max_match: int = MAX_MATCH) -
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("indexed %s tokens of %s into %s in %.1f s", f"{n:,}", corpus.source, out, time.monotonic() - started)
     return out
+
+
+def _build_progress():
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=Console(stderr=True), transient=True)
 
 
 _DATA_FILES = (TOKENS_FILE, SUFFIXES_FILE, ANSWER_TOKENS_FILE, ANSWER_LENGTHS_FILE)

@@ -33,9 +33,8 @@ def run_index_build(args: argparse.Namespace) -> int:
 
     corpus = load_corpus(args.data)
     try:
-        out = build_index(corpus, args.out)
+        build_index(corpus, args.out)  # logs where the index went
     except KeyboardInterrupt:
         print("tscale-peer: interrupted; no index written", file=sys.stderr)
         return 130
-    print(f"indexed {len(corpus.train):,} tokens of {args.data} into {out}", file=sys.stderr)
     return 0
