@@ -241,6 +241,16 @@ def test_an_index_of_another_tokenizer_is_refused(corpus, indexed, tmp_path, cap
             "built with the byte tokenizer")
 
 
+def test_an_index_serves_the_tokenizer_it_was_built_with(corpus, tmp_path, capsys):
+    bpe = tmp_path / "bpe-index"
+    assert main(["index", "build", "--data", str(corpus), "--tokenizer", "bpe:300", "--out", str(bpe)]) == 0
+    assert json.loads((bpe / "index.json").read_text())["tokenizer"].startswith("bpe-")
+    assert main(["train", "--data", str(corpus), "--tokenizer", "bpe:300", "--index", str(bpe), "--out",
+                 str(tmp_path / "r"), "--steps", "2", "--eval-every", "0", *TINY]) == 0
+    refused(["train", "--data", str(corpus), "--index", str(bpe), "--out", str(tmp_path / "byte"), *TINY], capsys,
+            "is tokenized by byte")
+
+
 @pytest.mark.parametrize("damage, fragment", [
     ("truncate", "suffixes.bin holds"),
     ("manifest", "cannot read index.json"),

@@ -51,8 +51,9 @@ import numba
 import numpy as np
 import torch
 
-from tscale_p2p.data import ByteTokenizer, WindowSampler
+from tscale_p2p.data import WindowSampler
 from tscale_p2p.errors import UserError
+from tscale_p2p.tokenizer import tokenizer_id
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +66,9 @@ _HASH_CHUNK = 1 << 24
 
 
 def tokenizer_identity(corpus) -> str:
-    """A name for how `corpus`'s tokens were made: an index serves only text tokenized the same way."""
-    tokenizer = corpus.tokenizer
-    if tokenizer is None:
-        return f"external-{corpus.vocab_size}"
-    if isinstance(tokenizer, ByteTokenizer):
-        return "byte"
-    digest = getattr(tokenizer, "sha256", None)  # a trained tokenizer carries a hash of its vocabulary file
-    if isinstance(digest, str):
-        return f"{type(tokenizer).__name__}-{digest}"
-    return f"{type(tokenizer).__name__}-{corpus.vocab_size}"
+    """How `corpus`'s tokens were made (byte, bpe-<sha256>, external-<vocab>), as the swarm's run config names
+    it: an index serves only text tokenized the same way."""
+    return tokenizer_id(corpus.tokenizer, corpus.vocab_size)
 
 
 def corpus_hash(tokens: np.ndarray) -> str:
@@ -400,7 +394,7 @@ class TokenIndex:
         if tokenizer != self.tokenizer:
             raise UserError(
                 f"index {str(self.path)!r} was built with the {self.tokenizer} tokenizer, but --data "
-                f"{corpus.source!r} is tokenized by {tokenizer}: build an index of this data"
+                f"{corpus.source!r} is tokenized by {tokenizer}: build an index with the same --tokenizer"
             )
         if len(corpus.train) != len(self) or corpus_hash(corpus.train.tokens) != self.corpus_hash:
             raise UserError(

@@ -24,6 +24,10 @@ def add_index_parser(commands) -> None:
     )
     build.add_argument("--data", default="stdlib", help="the training data, as for train --data (default: stdlib)")
     build.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder for the index")
+    build.add_argument("--tokenizer", metavar="SPEC",
+                       help="as for train --tokenizer: byte (default), bpe:VOCAB or a tokenizer.json; the index serves "
+                       "only a model trained with the same tokens")
+    build.add_argument("--seed", type=int, default=0, help="as for train --seed: bpe:VOCAB's training (default: 0)")
     build.set_defaults(handler=run_index_build)
 
 
@@ -31,7 +35,9 @@ def run_index_build(args: argparse.Namespace) -> int:
     from tscale_p2p.data import load_corpus
     from tscale_p2p.index import build_index
 
-    corpus = load_corpus(args.data)
+    from tscale_p2p.tokenizer import apply_tokenizer
+
+    corpus = apply_tokenizer(load_corpus(args.data), args.tokenizer, seed=args.seed, device_type="cpu")
     try:
         build_index(corpus, args.out)  # logs where the index went
     except KeyboardInterrupt:
