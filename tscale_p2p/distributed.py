@@ -119,9 +119,7 @@ class DataParallelTrainer(Trainer):
                  compression: str) -> None:
         super().__init__(model_cfg, cfg, corpus, device)
         self.rank, self.world_size = rank, world_size
-        self.train_batches = corpus.batches(
-            "train", cfg.batch_size, self.context, seed=rank_seed(cfg.seed, rank), device=device
-        )
+        self.train_batches = self.training_windows(rank_seed(cfg.seed, rank))
         self.ddp = DistributedDataParallel(
             self.model, device_ids=[device.index] if device.type == "cuda" else None, **_NO_FORWARD_BUFFER_SYNC
         )

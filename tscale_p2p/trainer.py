@@ -127,19 +127,24 @@ class Trainer:
             self.model.to(device)  # the buffers: the offloaded optimizer has placed the parameters
         self.forward = self._compiled() if device.type == "cuda" and cfg.compile else self.model
         self.index = None
-        if cfg.index is None and model_cfg.index is None:
-            self.train_batches = corpus.batches("train", cfg.batch_size, self.context, seed=cfg.seed, device=device)
-        else:
-            from tscale_p2p.index import IndexedWindowSampler, open_training_index  # numba: only with an index
+        if cfg.index is not None or model_cfg.index is not None:
+            from tscale_p2p.index import open_training_index  # numba: imported only with an index
 
             self.index = open_training_index(cfg.index, model_cfg, corpus)
-            self.train_batches = IndexedWindowSampler(
-                corpus.train, self.index, cfg.batch_size, self.context, seed=cfg.seed, device=device
-            )
+        self.train_batches = self.training_windows(cfg.seed)
         self.step = 0
         self.tokens_seen = 0
         self.flops_per_token = model_cfg.flops_per_token(self.context)
         self.peak_flops = peak_flops(device)
+
+    def training_windows(self, seed: int):
+        """Endless training batches drawn with `seed`: (x, y), and the stored index matches with an index."""
+        if self.index is None:
+            return self.corpus.batches("train", self.cfg.batch_size, self.context, seed=seed, device=self.device)
+        from tscale_p2p.index import IndexedWindowSampler
+
+        return IndexedWindowSampler(self.corpus.train, self.index, self.cfg.batch_size, self.context, seed=seed,
+                                    device=self.device)
 
     def _make_optimizer(self):
         """Fused AdamW (on the CPU too: faster than its for-loop default), or its offloaded twin."""
