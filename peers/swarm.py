@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -125,6 +126,10 @@ class SwarmPeer:
         self.outer = OuterOptimizer({n: weights[n] for n in self.names}, run.outer_lr, run.outer_momentum)
         self.rounds = DelayedOuterStep(self.outer)
         self.round = 0  # outer steps applied
+        # The run's step at round 0 (a run started --init-from a trained checkpoint does not start at 0): with the
+        # round it sets the swarm's place in the learning-rate schedule (`RoundClock.schedule_step`). Part of the
+        # outer state, so a joiner adopts it.
+        self.schedule_origin = trainer.step
         self._state_lock = threading.Lock()  # guards outer state + round for get_current_state's thread
         self._fingerprint = self.weights_fingerprint()  # of the global weights, refreshed when they change
         self.averager: SwarmAverager = averager_factory(list(self.outer.weights.values()), self.shared_state)
@@ -150,6 +155,7 @@ class SwarmPeer:
                 "round": self.round,
                 "step": self.trainer.step,
                 "weights": self._fingerprint,
+                "schedule_origin": self.schedule_origin,
             }
             if self._tokenizer_wire is not None:  # a joiner adopts the run's tokenizer from here
                 metadata["tokenizer"] = self._tokenizer_wire
@@ -191,6 +197,8 @@ class SwarmPeer:
         with self._state_lock:
             self.outer.load_state_dict({"weights": dict(zip(self.names, tensors[:count])), "optimizer": optimizer})
             self.round = int(metadata.get("round", 0))
+            origin = metadata.get("schedule_origin", 0)  # absent from the states of older versions
+            self.schedule_origin = origin if isinstance(origin, int) and origin >= 0 else 0
             self._fingerprint = self.weights_fingerprint()
         return True
 
@@ -245,15 +253,17 @@ class SwarmPeer:
         self._publisher.start()
         self.clock.start()
         session_steps, steps_in_round = 0, 0
+        save_due = eval_due = False  # a periodic checkpoint or evaluation waits for the round's end
         window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         loop_start = round_start = time.perf_counter()
         loop_end = None  # the training loop's end; what follows is leaving
         try:
-            while not (should_stop() or self._should_stop(session_steps)):
+            while not (should_stop() or self._should_stop(session_steps, steps_in_round)):
                 if self.status.paused.is_set():  # the averager keeps serving state meanwhile
                     self.averager.cancel_scheduled_round()  # a group must not wait for a paused peer
                     time.sleep(0.1)
                     continue
+                self.trainer.schedule_step = self._schedule_step(steps_in_round)
                 step_start = time.perf_counter()
                 stats = self.trainer.local_step()
                 self.training_s += time.perf_counter() - step_start
@@ -270,16 +280,25 @@ class SwarmPeer:
                 epoch = self.round + (self._in_flight is not None)
                 steps_per_s = steps_in_round / (time.perf_counter() - round_start)
                 self.clock.update(epoch, steps_in_round, steps_per_s)
+                cfg = self.trainer.cfg
+                save_due = save_due or bool(cfg.save_every and stats.step % cfg.save_every == 0)
+                eval_due = eval_due or bool(cfg.eval_every and stats.step % cfg.eval_every == 0)
                 if self._in_flight is None and self.clock.round_done(epoch, steps_in_round):
                     self._end_round(time.perf_counter() - round_start)
-                    steps_in_round, round_start = 0, time.perf_counter()
+                    steps_in_round = 0
+                    self.clock.update(self.round + (self._in_flight is not None), 0, steps_per_s)
+                    # A checkpoint or an evaluation blocks this loop for seconds on a loaded machine. Due at a step
+                    # count, it could fall on a round's last steps, when the others meet to average: the peer then
+                    # missed its group (measured: 3-round splits into pairs with state downloads, benchmarks/RESULTS.md). Just
+                    # after a round is handed over, the swarm needs nothing from this peer for a whole round.
+                    if save_due:
+                        self.save()
+                    if eval_due:
+                        log.info("step %d  val loss %.4f (local weights)", stats.step, self.trainer.evaluate().loss)
+                    save_due = eval_due = False
+                    round_start = time.perf_counter()
                 elif self._in_flight is None and not self.averager.round_scheduled:
                     self._maybe_schedule_round(epoch, steps_in_round, steps_per_s, time.perf_counter() - round_start)
-                cfg = self.trainer.cfg
-                if cfg.save_every and stats.step % cfg.save_every == 0:
-                    self.save()
-                if cfg.eval_every and stats.step % cfg.eval_every == 0:
-                    log.info("step %d  val loss %.4f (local weights)", stats.step, self.trainer.evaluate().loss)
                 log_line = stats.step % cfg.log_every == 0
                 elapsed = time.perf_counter() - window_start
                 if elapsed >= 1.0 or log_line or session_steps == 1:
@@ -337,12 +356,20 @@ class SwarmPeer:
                  steps_in_round, epoch + 1, swarm_steps)
         return False
 
-    def _should_stop(self, session_steps: int) -> bool:
+    def _should_stop(self, session_steps: int, steps_in_round: int) -> bool:
+        """Stop requested, --max-steps local steps made, or the swarm's schedule at the run's last step (not this
+        peer's own count: a fast peer would leave while the others still train at a high learning rate)."""
         if self.status.stop_requested.is_set():
             return True
         if self.max_steps is not None and session_steps >= self.max_steps:
             return True
-        return self.trainer.step >= self.trainer.cfg.steps
+        return self._schedule_step(steps_in_round) >= self.trainer.cfg.steps
+
+    def _schedule_step(self, steps_in_round: int) -> int:
+        """The swarm's place in the learning-rate schedule now (see `RoundClock.schedule_step`): the same for
+        every peer in step with the swarm, however fast each trains or whenever it joined."""
+        epoch = self.round + (self._in_flight is not None)
+        return self.clock.schedule_step(self.schedule_origin, epoch, steps_in_round)
 
     def _maybe_schedule_round(self, epoch: int, steps_in_round: int, steps_per_s: float, round_s: float) -> None:
         """Within one matchmaking window of the round's end, begin matchmaking: the group then forms while the
@@ -470,6 +497,7 @@ class SwarmPeer:
                 duration_s=outcome.seconds,
                 bits_per_param=8 * outcome.bytes_sent / numel,
                 dropped_peers=outcome.dropped_peers,
+                bits_per_value=8 * outcome.bytes_sent / outcome.values_sent if outcome.values_sent else 0.0,
             )
         )
         self.status.update(round=flight.number, averaging_in_flight=False)
@@ -533,7 +561,7 @@ class SwarmPeer:
             tokens_per_s=tokens_per_s,
             tokens_contributed=self.tokens_contributed,
             gpu_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            seconds_to_next_averaging=(self.inner_steps - steps_in_round) * step_s,
+            seconds_to_next_averaging=self._seconds_to_next_averaging(steps_in_round, step_s),
         )
         if log_line:
             log.info(
@@ -544,6 +572,13 @@ class SwarmPeer:
                 tokens_per_s,
                 "  (averaging in the background)" if self._in_flight else "",
             )
+
+    def _seconds_to_next_averaging(self, steps_in_round: int, step_s: float) -> float | None:
+        """When this round ends at the swarm's pace (the round clock's estimate: the swarm ends it once all its
+        peers together made H steps each, not when this peer alone has); None while nobody makes progress."""
+        epoch = self.round + (self._in_flight is not None)
+        seconds = self.clock.seconds_to_round_end(epoch, steps_in_round, 1.0 / step_s if step_s > 0 else 0.0)
+        return seconds if math.isfinite(seconds) else None
 
     def record(self) -> PeerRecord:
         snap = self.status.snapshot()

@@ -133,6 +133,7 @@ class Trainer:
             self.index = open_training_index(cfg.index, model_cfg, corpus)
         self.train_batches = self.training_windows(cfg.seed)
         self.step = 0
+        self.schedule_step: int | None = None  # where the LR schedule stands, when not `step` (a swarm's progress)
         self.tokens_seen = 0
         self.flops_per_token = model_cfg.flops_per_token(self.context)
         self.peak_flops = peak_flops(device)
@@ -215,7 +216,7 @@ class Trainer:
     def local_step(self) -> StepStats:
         """One optimizer step over `grad_accum` micro-batches; the same code for solo and swarm runs."""
         self.model.train()
-        lr = self.lr_at(self.step)
+        lr = self.lr_at(self.step if self.schedule_step is None else self.schedule_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)

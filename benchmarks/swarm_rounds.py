@@ -1,0 +1,168 @@
+"""How often a swarm's rounds gather every peer: real `tscale-peer join` processes on 127.0.0.1, CPU hogs beside.
+
+    nice -n 10 python benchmarks/swarm_rounds.py [--peers 3] [--rounds 100] [--hogs 2] [--inner-steps 10]
+        [--model e64h2d2w128] [--threads N] [--stagger S] [--matchmaking-time 5] [--keep DIR]
+
+Starts `--peers` peers of one run (all at once, waiting for one another with `--min-peers`, or one every `--stagger`
+seconds as newcomers join a running swarm), each with `--threads` torch threads (default: its share of the cores,
+as `join` picks it), plus `--hogs` busy-looping processes (the load a volunteer's machine has besides the peer),
+and lets them train until the founder's log shows `--rounds` rounds once all have joined. Then every peer is stopped (SIGTERM) and the logs are read:
+
+- full: rounds in which this peer averaged with every other peer;
+- partial: averaged with some of them;
+- alone: averaged with nobody (no group found, or the round failed);
+- lost: a groupmate was lost mid-round (its span of the average is missing);
+- resync: the peer found its global weights differ from its group's and downloaded the state again.
+
+Rounds are counted per peer from the first one the last joiner averaged in, the last one (cut by the stop) left
+out. Prints one row per peer and the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MADDR = re.compile(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+")
+ROUND = re.compile(r"round (\d+): averaged with (?:nobody|(\d+) peer\(s\)(, lost)?)")
+RESYNC = re.compile(r"round (\d+): our global weights .* differ from the group's")
+
+
+def corpus(path: Path) -> Path:
+    """A small text file: the default data (the stdlib's sources) takes a while to index on a loaded machine."""
+    words = "the swarm trains one model together while every peer keeps its own data and pace ".split()
+    text = " ".join(words[(i * 7919) % len(words)] for i in range(200_000))
+    path.write_text(text)
+    return path
+
+
+def hog() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+
+
+def round_table(log: str, peers: int, after: int = 0) -> dict[str, int]:
+    """The counts of the module docstring for one peer's log, rounds after `after` only."""
+    rounds = {}
+    for match in ROUND.finditer(log):
+        rounds[int(match.group(1))] = (int(match.group(2) or 0), bool(match.group(3)))
+    if rounds:
+        rounds.pop(max(rounds))  # the round the stop cut short
+    rounds = {number: outcome for number, outcome in rounds.items() if number > after}
+    counts = dict(rounds=len(rounds), full=0, partial=0, alone=0, lost=0)
+    for others, lost in rounds.values():
+        counts["full" if others == peers - 1 else "partial" if others else "alone"] += 1
+        counts["lost"] += lost
+    counts["resync"] = len({int(m.group(1)) for m in RESYNC.finditer(log)} & set(rounds))
+    return counts
+
+
+def first_round_of_all(logs: list[Path]) -> int:
+    """The round before the last peer to join averaged for the first time (0 if all started together)."""
+    firsts = []
+    for log in logs:
+        found = [int(m.group(1)) for m in ROUND.finditer(log.read_text(errors="replace"))] if log.exists() else []
+        firsts.append(min(found, default=10**9))
+    return max(firsts) - 1 if len(logs) > 1 else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=100, help="stop once the founder has logged this many")
+    parser.add_argument("--hogs", type=int, default=2, help="busy-looping processes beside the peers")
+    parser.add_argument("--inner-steps", type=int, default=10)
+    parser.add_argument("--model", default="e64h2d2w128")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--matchmaking-time", type=float, default=5.0)
+    parser.add_argument("--threads", type=int, help="torch threads per peer (default: join's own, its share of the cores)")
+    parser.add_argument("--stagger", type=float, default=0.0,
+                        help="start the peers this many seconds apart, as newcomers join a running swarm (default: all at "
+                             "once, waiting for one another with --min-peers)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    parser.add_argument("--keep", type=Path, help="write the peers' logs and runs here (default: a temporary folder)")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the peers and hogs on the way out
+
+    folder = args.keep or Path(tempfile.mkdtemp(prefix="swarm-rounds-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    data = corpus(folder / "corpus.txt")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    common = ["--data", str(data), "--run-id", "rounds", "--model", args.model, "--batch-size", str(args.batch_size),
+              "--device", "cpu", "--inner-steps", str(args.inner_steps), "--matchmaking-time",
+              str(args.matchmaking_time), "--save-every", "0", "--log-every", "50",
+              "--steps", "10000000", "--no-tui", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    hogs = [hog() for _ in range(args.hogs)]
+    peers: list[subprocess.Popen] = []
+    logs = [folder / f"peer{i}.log" for i in range(args.peers)]
+    start = time.monotonic()
+    try:
+        def launch(i: int, *extra: str) -> None:
+            with open(logs[i], "wb") as sink:
+                peers.append(subprocess.Popen(
+                    [sys.executable, "-m", "tscale_p2p.cli", "join", "--out", str(folder / f"peer{i}"),
+                     "--name", f"peer{i}", *common, *extra],
+                    stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+
+        together = [] if args.stagger else ["--min-peers", str(args.peers)]  # staggered: the founder trains alone first
+        launch(0, *together)
+        while not MADDR.search(logs[0].read_text(errors="replace")):
+            if peers[0].poll() is not None:
+                sys.exit(f"the founder exited:\n{logs[0].read_text(errors='replace')[-3000:]}")
+            time.sleep(0.5)
+        founder = MADDR.search(logs[0].read_text(errors="replace")).group(0)
+        for i in range(1, args.peers):
+            time.sleep(args.stagger)
+            launch(i, "--initial-peers", founder, *together)
+        while time.monotonic() - start < args.timeout:
+            found = {int(m.group(1)) for m in ROUND.finditer(logs[0].read_text(errors="replace"))}
+            if len(found) > args.rounds + first_round_of_all(logs) or any(p.poll() is not None for p in peers):
+                break
+            print(f"\r{time.monotonic() - start:6.0f} s  founder at round {max(found, default=0)}", end="",
+                  file=sys.stderr, flush=True)
+            time.sleep(5)
+        print(file=sys.stderr)
+    finally:
+        for process in peers:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in peers:
+            try:
+                process.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        for process in hogs:
+            os.killpg(process.pid, signal.SIGKILL)
+    elapsed = time.monotonic() - start
+
+    columns = ("rounds", "full", "partial", "alone", "lost", "resync")
+    print(f"{args.peers} peers, {args.hogs} hogs, model {args.model}, H={args.inner_steps}, "
+          f"threads {args.threads or 'default'}, matchmaking {args.matchmaking_time:g} s, {elapsed:.0f} s, logs in {folder}")
+    print(f"| peer | {' | '.join(columns)} | full share |")
+    print("|" + " --- |" * (len(columns) + 2))
+    total = dict.fromkeys(columns, 0)
+    after = first_round_of_all(logs)
+    if after:
+        print(f"rounds after {after}, when the last peer had joined:")
+    for i, log in enumerate(logs):
+        counts = round_table(log.read_text(errors="replace"), args.peers, after)
+        for key in columns:
+            total[key] += counts[key]
+        share = counts["full"] / counts["rounds"] if counts["rounds"] else 0.0
+        print(f"| peer{i} | {' | '.join(str(counts[k]) for k in columns)} | {share:.0%} |")
+    share = total["full"] / total["rounds"] if total["rounds"] else 0.0
+    print(f"| all | {' | '.join(str(total[k]) for k in columns)} | {share:.0%} |")
+    tracebacks = sum(log.read_text(errors="replace").count("Traceback") for log in logs)
+    print(f"tracebacks in the logs: {tracebacks}")
+
+
+if __name__ == "__main__":
+    main()
