@@ -3,6 +3,7 @@
     python benchmarks/swarm_bytes.py wire [--dims e768h12d18w1024] [--peers 4]
     python benchmarks/swarm_bytes.py live [--dims e256h4d8w256] [--peers 2] [--rounds 2]
     python benchmarks/swarm_bytes.py blocks --data PATH/tinyshakespeare.txt
+    python benchmarks/swarm_bytes.py groups [--dims e128h4d4w256 e768h12d12w1024] [--peers 2 3 4 8 16]
 
 `wire`: one round of hivemind's butterfly all-reduce among `--peers` peers with equal bandwidth, for the
 tensor shapes of the given model (built on the meta device: no memory, no weights). Every message a peer
@@ -16,6 +17,11 @@ Return trip: hivemind sends `average - own part` compressed with the sender's co
 `live`: the same count from the other end: real SwarmAverager peers (hivemind DHT + p2pd on 127.0.0.1) run
 averaging rounds on random pseudo-gradients of the model's shapes, and each reports the tensor bytes it put on
 and took off the wire (`RoundOutcome.bytes_sent` / `bytes_received`, protobuf level) and the round time.
+
+`groups`: the 1-bit codec's budget at every group size, counted as `wire` counts it: bits per value of one trip
+(a sender's part to its reducer, the reducer's answer), and a peer's whole uplink and downlink per round in bits
+per parameter of the model. A peer makes both trips: it sends (n-1)/n of the model to the other reducers and
+answers its own 1/n span to each of the n-1 others, so its uplink per round is 2(n-1)/n times the per-trip rate.
 
 `blocks`: relative L2 error of sign x block-scale on a real pseudo-gradient (a small model trained a few
 AdamW steps on the given text), for several block sizes and scale dtypes, with the bits per value each costs.
@@ -113,6 +119,24 @@ def wire(args) -> None:
     )
 
 
+def groups(args) -> None:
+    codec = OneBitCodec()
+    print("OneBitCodec: bits per value of each trip, and a peer's traffic per round in bits per parameter")
+    print(f"{'model':<16} {'params':>7} {'peers':>5} {'up trip':>8} {'down trip':>9} {'uplink/round':>12}"
+          f" {'downlink/round':>14} {'trips x model':>13}")
+    for dims in args.dims:
+        shapes = model_shapes(dims)
+        numel = sum(s.numel() for s in shapes)
+        for peers in args.peers:
+            row = round_bytes(shapes, codec, ONEBIT_PART_SIZE_BYTES, peers)
+            print(f"{dims:<16} {numel / 1e6:>6.1f}M {peers:>5} {row['up_bits']:>8.4f} {row['down_bits']:>9.4f}"
+                  f" {8 * row['sent'] / numel:>12.4f} {8 * row['received'] / numel:>14.4f}"
+                  f" {2 * (peers - 1) / peers:>13.3f}")
+    print("up/down trip: bits per value of one message kind, everything in the protobuf included; uplink/downlink:\n"
+          "all bytes one peer sends/receives in a round x 8 / parameters (what the dashboard's averaging log shows\n"
+          "as 'up b/p'); trips x model: 2(n-1)/n, the share of the model a peer sends in a round at the trip rate.")
+
+
 def live(args) -> None:
     import hivemind
 
@@ -196,11 +220,14 @@ def main() -> None:
     live_parser.add_argument("--dims", default="e256h4d8w256", help="model dims (default: 6.4M parameters)")
     live_parser.add_argument("--peers", type=int, default=2)
     live_parser.add_argument("--rounds", type=int, default=2)
+    groups_parser = sub.add_parser("groups", help="our codec's bits per trip and per round at several group sizes")
+    groups_parser.add_argument("--dims", nargs="+", default=["e128h4d4w256", "e768h12d12w1024"])
+    groups_parser.add_argument("--peers", nargs="+", type=int, default=[2, 3, 4, 8, 16])
     blocks_parser = sub.add_parser("blocks", help="error vs block size on a real pseudo-gradient")
     blocks_parser.add_argument("--data", required=True, help="a text file (e.g. tinyshakespeare.txt)")
     args = parser.parse_args()
     started = time.perf_counter()
-    dict(wire=wire, live=live, blocks=blocks)[args.mode](args)
+    dict(wire=wire, live=live, groups=groups, blocks=blocks)[args.mode](args)
     print(f"({time.perf_counter() - started:.1f} s)")
 
 

@@ -28,9 +28,11 @@ class AveragingRecord:
     bytes_up: int  # bytes this peer sent during the round
     bytes_down: int  # bytes this peer received during the round
     duration_s: float  # matchmaking + all-reduce wall time
-    bits_per_param: float  # wire bits per parameter sent, scales included
+    bits_per_param: float  # this peer's uplink in the round: bytes_up x 8 / model parameters, both trips and
+    # scales included (2(n-1)/n trips' worth of the model in a group of n: see benchmarks/swarm_bytes.py groups)
     dropped_peers: int  # peers that joined the group but whose part was lost or rejected
     finished_at: float = field(default_factory=time.time)  # unix time
+    bits_per_value: float = 0.0  # wire bits per value of one trip (a part sent, or an average answered)
 
 
 @dataclass(frozen=True)

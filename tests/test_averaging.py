@@ -94,6 +94,9 @@ def test_three_peers_average_agree_and_error_feedback_keeps_the_books():
                 assert outcome.bytes_sent > 0 and outcome.bytes_received > 0
                 for got, want in zip(outcome.averaged, outcomes[0].averaged):
                     assert torch.equal(got, want)  # every peer decodes the very same average
+            # Both trips counted: as a sender (n-1)/n of the model, as a reducer its span once per groupmate, so
+            # the group sends 2(n-1) models' worth of values in all, whatever the spans, and receives them all.
+            assert sum(o.values_sent for o in outcomes) == sum(o.values_received for o in outcomes) == 4 * true_mean.numel()
             if round_number == 0:
                 assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
             delivered += torch.cat([t.view(-1) for t in outcomes[0].averaged])
@@ -440,3 +443,40 @@ def test_a_task_nobody_holds_is_kept_until_its_reply_arrives():
     assert asyncio.run(scenario(keep=True)) == (True, [])
     freed, reported = asyncio.run(scenario(keep=False))  # what the keeper prevents
     assert not freed and "Task was destroyed but it is pending!" in reported
+
+
+def test_a_stream_broken_by_a_peer_that_left_logs_no_unretrieved_task_exception():
+    """hivemind opens an outgoing stream as a writing task plus a reader generator that cancels the task when it
+    ends. A caller that gives up before it reads (a round cancelled or failed meanwhile) never starts the reader,
+    so nothing looks at the task: once the peer at the other end had left, asyncio logged "Task exception was never
+    retrieved" with a ConnectionResetError traceback. The averager's loop takes such exceptions itself."""
+
+    async def scenario(keep: bool) -> list[str]:
+        loop, reported = asyncio.get_running_loop(), []
+        loop.set_exception_handler(lambda _, context: reported.append(context["message"]))
+        if keep:
+            keep_tasks_until_done(loop)
+
+        async def write_to_a_peer_that_left() -> None:
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+        async def open_stream():  # as P2P._iterate_protobuf_stream_handler
+            writing = loop.create_task(write_to_a_peer_that_left())
+
+            async def read():
+                try:
+                    yield None
+                finally:
+                    writing.cancel()
+
+            return read()
+
+        stream = await open_stream()
+        await asyncio.sleep(0.01)  # the write fails: the peer is gone
+        del stream  # the caller gives up before reading
+        gc.collect()
+        await asyncio.sleep(0)
+        return reported
+
+    assert asyncio.run(scenario(keep=True)) == []
+    assert "Task exception was never retrieved" in asyncio.run(scenario(keep=False))  # what the keeper prevents
