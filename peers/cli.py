@@ -182,38 +182,68 @@ def run_peers(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_peer_table(run_id: str, records) -> None:
+PEER_COLUMNS = ("name", "peer id", "device", "precision", "tok/s", "loss", "round", "step", "tokens", "sent",
+                "received", "last avg", "dropped", "version")
+
+
+def print_peer_table(run_id: str, records, stdout=None) -> None:
+    """The live peers as a table on a terminal; as tab-separated values (a header line, then one line per peer,
+    full peer ids and plain numbers) when stdout is a pipe or a file, where a table would be cut to 80 columns."""
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    stdout = stdout or sys.stdout
+    if not stdout.isatty():
+        if not records:
+            print(f"no live peers in run {run_id!r}", file=sys.stderr)
+        print("\t".join(PEER_COLUMNS), file=stdout)
+        for row in _peer_rows(records, for_terminal=False):
+            print("\t".join(cell.replace("\t", " ") for cell in row), file=stdout)
+        return
+    console = Console(file=stdout)
     if not records:
         console.print(f"no live peers in run {run_id!r}")
         return
     table = Table(title=f"run {run_id}: {len(records)} live peer(s)")
-    for column in ("name", "peer id", "device", "precision", "tok/s", "loss", "round", "step", "tokens",
-                   "sent", "received", "last avg", "dropped", "version"):
+    for column in PEER_COLUMNS:
         numeric = column in ("tok/s", "loss", "round", "step", "tokens", "dropped")
         table.add_column(column, justify="right" if numeric else "left")
+    for row in _peer_rows(records, for_terminal=True):
+        table.add_row(*row)
+    console.print(table)
+
+
+def _peer_rows(records, for_terminal: bool) -> list[tuple[str, ...]]:
+    """PEER_COLUMNS of each record: short and readable for a terminal, complete and plain for scripts."""
     now = time.time()
+    rows = []
     for r in records:
-        table.add_row(
+        if for_terminal:
+            numbers = (f"{r.tokens_per_s:,.0f}", f"{r.tokens_contributed:,}", _size(r.bytes_sent), _size(r.bytes_received))
+        else:
+            numbers = (f"{r.tokens_per_s:.0f}", str(r.tokens_contributed), str(r.bytes_sent), str(r.bytes_received))
+        tokens_per_s, tokens, sent, received = numbers
+        if r.last_averaging is None:
+            last = "never"
+        else:
+            last = f"{now - r.last_averaging:.0f} s ago" if for_terminal else f"{now - r.last_averaging:.0f}"
+        rows.append((
             r.name + (" (relayed)" if r.relayed else ""),
-            "…" + r.peer_id[-8:],
+            "…" + r.peer_id[-8:] if for_terminal else r.peer_id,
             r.device,
             r.precision + (" +offload" if r.offload else ""),
-            f"{r.tokens_per_s:,.0f}",
+            tokens_per_s,
             "-" if r.loss is None else f"{r.loss:.4f}",
             str(r.round),
             str(r.step),
-            f"{r.tokens_contributed:,}",
-            _size(r.bytes_sent),
-            _size(r.bytes_received),
-            "never" if r.last_averaging is None else f"{now - r.last_averaging:.0f} s ago",
+            tokens,
+            sent,
+            received,
+            last,
             str(r.dropped_peers),
             r.version,
-        )
-    console.print(table)
+        ))
+    return rows
 
 
 def _size(n: int) -> str:

@@ -20,6 +20,9 @@ from hivemind.dht.crypto import RSASignatureValidator
 log = logging.getLogger(__name__)
 
 RECORD_TTL_S = 60.0  # a peer republishes well within this; a silent peer vanishes after it
+# A record not refreshed for this long (three of a peer's 5 s publish periods) is from a peer that has most likely
+# stopped or died: it stays listed until the TTL, but its tokens/s no longer counts as the swarm's.
+RATE_FRESH_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,10 @@ class PeerRecord:
 
     def to_wire(self) -> dict:
         return asdict(self)
+
+    def live_tokens_per_s(self, now: float) -> float:
+        """Its tokens/s while the record is fresh (see RATE_FRESH_S); 0 once the peer has gone silent."""
+        return self.tokens_per_s if now - self.updated_at <= RATE_FRESH_S else 0.0
 
     @classmethod
     def from_wire(cls, value: object) -> "PeerRecord | None":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import logging
 import threading
 import time
@@ -13,6 +15,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
 from tscale_p2p.cli import main
+from tscale_p2p.peers.cli import PEER_COLUMNS, print_peer_table
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics, peer_records_key
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus
 
@@ -101,20 +104,38 @@ def test_records_are_signed_listed_and_cannot_be_forged():
 
 
 @pytest.mark.timeout(60)
-def test_peers_command_lists_the_dropped_peers_of_each_peer(capsys, monkeypatch):
-    """`tscale-peer peers` (a dial-out node of its own) shows what a live peer signed, dropped peers included."""
-    monkeypatch.setenv("COLUMNS", "200")  # the table's width when stdout is not a terminal
+def test_peers_command_lists_the_dropped_peers_of_each_peer(capsys):
+    """`tscale-peer peers` (a dial-out node of its own) shows what a live peer signed, dropped peers included;
+    piped (as here) it prints tab-separated values, full peer ids and plain numbers, whatever the width."""
     host = DHT(start=True, host_maddrs=LOOPBACK)
     try:
-        SwarmMetrics(host, "run-d").publish(make_record(str(host.peer_id), "alice", dropped_peers=2))
+        SwarmMetrics(host, "run-d").publish(make_record(str(host.peer_id), "alice", dropped_peers=2,
+                                                        tokens_contributed=1234567890123))
         maddrs = [str(m) for m in host.get_visible_maddrs()]
         capsys.readouterr()
         assert main(["peers", "--initial-peers", *maddrs, "--run-id", "run-d", "--json"]) == 0
         (record,) = json.loads(capsys.readouterr().out)
         assert record["name"] == "alice" and record["dropped_peers"] == 2
         assert main(["peers", "--initial-peers", *maddrs, "--run-id", "run-d"]) == 0
-        table = capsys.readouterr().out
-        header, row = [line for line in table.splitlines() if "dropped" in line or "alice" in line]
-        assert row.split("│")[header.split("┃").index(" dropped ")].strip() == "2"
+        header, row = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+        assert header == list(PEER_COLUMNS)
+        cells = dict(zip(header, row, strict=True))
+        assert cells["name"] == "alice" and cells["peer id"] == str(host.peer_id)
+        assert cells["dropped"] == "2" and cells["tokens"] == "1234567890123" and cells["sent"] == "1000"
     finally:
         host.shutdown()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_peers_table_on_a_terminal_is_a_table(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    terminal = _Terminal()
+    print_peer_table("run-t", [make_record("12D3KooWabcdefgh12345678", "bob", dropped_peers=1)], stdout=terminal)
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", terminal.getvalue()).splitlines()  # without the terminal's styles
+    header, row = [line for line in lines if "dropped" in line or "bob" in line]
+    assert row.split("│")[header.split("┃").index(" dropped ")].strip() == "1"
+    assert "…12345678" in row and "40,960" in row

@@ -130,3 +130,14 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(corpus, tmp_path):
         proc.kill()
     checkpoint = load_checkpoint(find_latest(out))
     assert 5 <= checkpoint.step < 100000
+
+
+def test_resuming_a_finished_run_says_nothing_to_do_and_writes_nothing(corpus, tmp_path, caplog):
+    out = tmp_path / "run"
+    common = ["train", "--data", str(corpus), "--out", str(out), "--steps", "4", "--save-every", "2", *TINY]
+    assert main(common) == 0
+    before = snapshot_tree(out)
+    caplog.set_level("INFO")
+    assert main([*common, "--resume"]) == 0
+    assert snapshot_tree(out) == before  # no step-4.1, no older checkpoint rotated out
+    assert any("nothing to do" in r.getMessage() and "step 4 of --steps 4" in r.getMessage() for r in caplog.records)

@@ -26,6 +26,7 @@ from tscale_p2p.tui.log_pane import LogPane
 from tscale_p2p.tui.peers_table import PeersTable
 from tscale_p2p.tui.source import MetricsSource, SwarmWatchSource, TrainingPeerSource
 from tscale_p2p.tui.work_progress import WorkProgressLine
+from tscale_p2p.tui.summary import SwarmTotals
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,7 +56,8 @@ PEERS = [
 
 AVERAGING = tuple(
     AveragingRecord(round=r, group_size=4 - (r % 5 == 0), bytes_up=1_120_000 + 997 * r, bytes_down=1_090_000 + 13 * r,
-                    duration_s=2.0 + (r % 3) * 0.7, bits_per_param=1.06, dropped_peers=int(r % 5 == 0),
+                    duration_s=2.0 + (r % 3) * 0.7, bits_per_param=1.60 - 0.18 * (r % 5 == 0), bits_per_value=1.07,
+                    dropped_peers=int(r % 5 == 0),
                     finished_at=NOW - 60 * (42 - r))
     for r in range(30, 43)
 )  # fmt: skip
@@ -489,3 +491,12 @@ def test_short_numbers_for_narrow_cells():
     assert [fmt.duration(s) for s in (0.4, 12, 185, 7800)] == ["0.4s", "12s", "3m05s", "2h10m"]
     assert [fmt.age(s) for s in (0.3, 47, 300, 3 * 3600, 3 * 86400)] == ["now", "47s", "5m", "3h", "3d"]
     assert fmt.loss(None) == "-" and fmt.loss(float("nan")) == "-" and fmt.loss(2.4129) == "2.413"
+
+
+def test_a_silent_peer_stops_counting_in_the_swarms_tokens_per_s_but_stays_listed():
+    """A killed peer's record lives until its TTL (a minute); its tokens/s must not count for all that time."""
+    fresh, silent = PEERS[1], replace(PEERS[2], updated_at=NOW - 16)  # 3 missed publications and more
+    totals = SwarmTotals.of([fresh, silent], None, NOW)
+    assert totals.peers == 2 and totals.tokens_per_s == fresh.tokens_per_s
+    assert totals.tokens == fresh.tokens_contributed + silent.tokens_contributed  # what it trained still counts
+    assert SwarmTotals.of([fresh, silent], None, NOW - 10).tokens_per_s == fresh.tokens_per_s + silent.tokens_per_s

@@ -125,6 +125,11 @@ def train_solo(cfg: TrainConfig) -> int:
 def run_training(trainer: Trainer, cfg: TrainConfig, team=Alone()) -> int:
     """The training loop of a solo run and of every rank of a data-parallel one (`team` says who leads:
     logs, evaluates, saves; and whether any member asked to stop). Always leaves a checkpoint behind."""
+    if trainer.step >= cfg.steps:  # a finished run resumed: another checkpoint of the same step would only rotate out an older one
+        if team.leader:
+            log.info("nothing to do: %s is at step %d of --steps %d (raise --steps to train on)", cfg.out,
+                     trainer.step, cfg.steps)
+        return 0
     if team.leader:
         log.info(
             "training %s (%.2fM parameters, windows %s) on %s, %s, %s, for %d steps",

@@ -152,7 +152,7 @@ class Dashboard(App[None]):
                 self.query_one("#loss-chart", Chart).push(sum(losses) / len(losses))
 
     def _show_swarm_summary(self) -> SwarmTotals:
-        totals = SwarmTotals.of(self.records, self.status)
+        totals = SwarmTotals.of(self.records, self.status, self.source.now())
         run_id = self.source.run_id or (self.status.run_id if self.status else "")
         self.query_one(SwarmSummary).show(run_id, self.source.model, totals)
         self.query_one(PeersTable).border_title = f"peers · {totals.peers} online"

@@ -23,9 +23,11 @@ class SwarmTotals:
     tokens: int
 
     @classmethod
-    def of(cls, records: list[PeerRecord], local: StatusSnapshot | None) -> "SwarmTotals":
+    def of(cls, records: list[PeerRecord], local: StatusSnapshot | None, now: float) -> "SwarmTotals":
+        """Totals at unix time `now`: a peer whose record has gone stale (killed, or stopped) no longer adds to
+        the swarm's tokens/s, though it stays listed until its record expires."""
         others = [r for r in records if local is None or r.peer_id != local.peer_id]
-        tokens_per_s = sum(r.tokens_per_s for r in others)
+        tokens_per_s = sum(r.live_tokens_per_s(now) for r in others)
         tokens = sum(r.tokens_contributed for r in others)
         rounds = [r.round for r in others]
         if local is not None:
