@@ -1,7 +1,7 @@
 """How often a swarm's rounds gather every peer: real `tscale-peer join` processes on 127.0.0.1, CPU hogs beside.
 
     nice -n 10 python benchmarks/swarm_rounds.py [--peers 3] [--rounds 100] [--hogs 2] [--inner-steps 10]
-        [--model e64h2d2w128] [--threads N] [--stagger S] [--matchmaking-time 5] [--keep DIR]
+        [--model e64h2d2w128] [--threads N] [--stagger S] [--eval-every N] [--matchmaking-time 5] [--keep DIR]
 
 Starts `--peers` peers of one run (all at once, waiting for one another with `--min-peers`, or one every `--stagger`
 seconds as newcomers join a running swarm), each with `--threads` torch threads (default: its share of the cores,
@@ -14,8 +14,8 @@ and lets them train until the founder's log shows `--rounds` rounds once all hav
 - lost: a groupmate was lost mid-round (its span of the average is missing);
 - resync: the peer found its global weights differ from its group's and downloaded the state again.
 
-Rounds are counted per peer from the first one the last joiner averaged in, the last one (cut by the stop) left
-out. Prints one row per peer and the total.
+Rounds are counted per peer after the last joiner's first round, the last one (cut by the stop) left out. Prints
+one row per peer and the total. `--report DIR` prints that table again from the logs a run left in DIR.
 """
 
 from __future__ import annotations
@@ -64,12 +64,13 @@ def round_table(log: str, peers: int, after: int = 0) -> dict[str, int]:
 
 
 def first_round_of_all(logs: list[Path]) -> int:
-    """The round before the last peer to join averaged for the first time (0 if all started together)."""
+    """The first round of the last peer to join: rounds are counted after it (a joiner's first round is part of
+    joining: the others may have averaged it without the newcomer, whose download may be a round old)."""
     firsts = []
     for log in logs:
         found = [int(m.group(1)) for m in ROUND.finditer(log.read_text(errors="replace"))] if log.exists() else []
         firsts.append(min(found, default=10**9))
-    return max(firsts) - 1 if len(logs) > 1 else 0
+    return max(firsts)
 
 
 def main() -> None:
@@ -81,13 +82,20 @@ def main() -> None:
     parser.add_argument("--model", default="e64h2d2w128")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--matchmaking-time", type=float, default=5.0)
+    parser.add_argument("--eval-every", type=int, help="each peer's val-loss evaluation period (default: join's, 250 steps)")
     parser.add_argument("--threads", type=int, help="torch threads per peer (default: join's own, its share of the cores)")
     parser.add_argument("--stagger", type=float, default=0.0,
                         help="start the peers this many seconds apart, as newcomers join a running swarm (default: all at "
                              "once, waiting for one another with --min-peers)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     parser.add_argument("--keep", type=Path, help="write the peers' logs and runs here (default: a temporary folder)")
+    parser.add_argument("--report", type=Path, metavar="DIR", help="only print the table of the run whose logs are in DIR")
     args = parser.parse_args()
+    if args.report:
+        logs = sorted(args.report.glob("peer*.log"))
+        print(f"{len(logs)} peers, logs in {args.report}")
+        print_table(logs, len(logs))
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the peers and hogs on the way out
 
     folder = args.keep or Path(tempfile.mkdtemp(prefix="swarm-rounds-"))
@@ -100,6 +108,8 @@ def main() -> None:
               "--device", "cpu", "--inner-steps", str(args.inner_steps), "--matchmaking-time",
               str(args.matchmaking_time), "--save-every", "0", "--log-every", "50",
               "--steps", "10000000", "--no-tui", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    if args.eval_every is not None:
+        common += ["--eval-every", str(args.eval_every)]
     hogs = [hog() for _ in range(args.hogs)]
     peers: list[subprocess.Popen] = []
     logs = [folder / f"peer{i}.log" for i in range(args.peers)]
@@ -142,18 +152,19 @@ def main() -> None:
         for process in hogs:
             os.killpg(process.pid, signal.SIGKILL)
     elapsed = time.monotonic() - start
-
-    columns = ("rounds", "full", "partial", "alone", "lost", "resync")
     print(f"{args.peers} peers, {args.hogs} hogs, model {args.model}, H={args.inner_steps}, "
-          f"threads {args.threads or 'default'}, matchmaking {args.matchmaking_time:g} s, {elapsed:.0f} s, logs in {folder}")
+          f"threads {args.threads or 'default'}, eval every {args.eval_every or 'default'}, matchmaking {args.matchmaking_time:g} s, {elapsed:.0f} s, logs in {folder}")
+    print_table(logs, args.peers)
+
+def print_table(logs: list[Path], peers: int) -> None:
+    columns = ("rounds", "full", "partial", "alone", "lost", "resync")
+    after = first_round_of_all(logs)
+    print(f"rounds after {after}, the last joiner's first:")
     print(f"| peer | {' | '.join(columns)} | full share |")
     print("|" + " --- |" * (len(columns) + 2))
     total = dict.fromkeys(columns, 0)
-    after = first_round_of_all(logs)
-    if after:
-        print(f"rounds after {after}, when the last peer had joined:")
     for i, log in enumerate(logs):
-        counts = round_table(log.read_text(errors="replace"), args.peers, after)
+        counts = round_table(log.read_text(errors="replace"), peers, after)
         for key in columns:
             total[key] += counts[key]
         share = counts["full"] / counts["rounds"] if counts["rounds"] else 0.0
