@@ -33,10 +33,6 @@ from hivemind import DHT
 
 log = logging.getLogger(__name__)
 
-# A peer's published progress is extrapolated for at most this many record periods plus this many of its steps.
-STALL_RECORD_PERIODS = 3
-STALL_STEPS = 2
-
 
 @dataclass(frozen=True)
 class Progress:
@@ -125,17 +121,8 @@ class RoundClock:
         cap = 2.0 * self.inner_steps  # one peer's extrapolation is never trusted beyond this
         for other in counted:
             if other.epoch == epoch:
-                total += min(cap, other.steps + other.steps_per_s * self._extrapolated_s(other, now))
+                total += min(cap, other.steps + other.steps_per_s * max(0.0, now - other.time))
         return total
-
-    def _extrapolated_s(self, other: Progress, now: float) -> float:
-        """How long past its record a peer is assumed to go on at its rate: as long as a record of a peer that
-        trains can be old (a step, two record periods and the DHT's delay), not longer. A peer's record carries
-        the time of its last step, so one that stalls (its periodic evaluation or checkpoint, a load spike) keeps
-        that time: extrapolated without bound, its phantom steps ended the others' round while it was not there
-        to average, and the round split into pairs in different rounds (benchmarks/RESULTS.md)."""
-        horizon = STALL_RECORD_PERIODS * self.every_s + (STALL_STEPS / other.steps_per_s if other.steps_per_s else 0.0)
-        return min(max(0.0, now - other.time), horizon)
 
     def seconds_to_round_end(self, epoch: int, steps: int, steps_per_s: float) -> float:
         """When `round_done` will say yes at the swarm's present pace (this peer making `steps_per_s`): 0 if it

@@ -253,7 +253,6 @@ class SwarmPeer:
         self._publisher.start()
         self.clock.start()
         session_steps, steps_in_round = 0, 0
-        save_due = eval_due = False  # a periodic checkpoint or evaluation waits for the round's end
         window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         loop_start = round_start = time.perf_counter()
         loop_end = None  # the training loop's end; what follows is leaving
@@ -280,25 +279,16 @@ class SwarmPeer:
                 epoch = self.round + (self._in_flight is not None)
                 steps_per_s = steps_in_round / (time.perf_counter() - round_start)
                 self.clock.update(epoch, steps_in_round, steps_per_s)
-                cfg = self.trainer.cfg
-                save_due = save_due or bool(cfg.save_every and stats.step % cfg.save_every == 0)
-                eval_due = eval_due or bool(cfg.eval_every and stats.step % cfg.eval_every == 0)
                 if self._in_flight is None and self.clock.round_done(epoch, steps_in_round):
                     self._end_round(time.perf_counter() - round_start)
-                    steps_in_round = 0
-                    self.clock.update(self.round + (self._in_flight is not None), 0, steps_per_s)
-                    # A checkpoint or an evaluation blocks this loop for seconds on a loaded machine. Due at a step
-                    # count, it could fall on a round's last steps, when the others meet to average: the peer then
-                    # missed its group (measured: 3-round splits into pairs with state downloads, benchmarks/RESULTS.md). Just
-                    # after a round is handed over, the swarm needs nothing from this peer for a whole round.
-                    if save_due:
-                        self.save()
-                    if eval_due:
-                        log.info("step %d  val loss %.4f (local weights)", stats.step, self.trainer.evaluate().loss)
-                    save_due = eval_due = False
-                    round_start = time.perf_counter()
+                    steps_in_round, round_start = 0, time.perf_counter()
                 elif self._in_flight is None and not self.averager.round_scheduled:
                     self._maybe_schedule_round(epoch, steps_in_round, steps_per_s, time.perf_counter() - round_start)
+                cfg = self.trainer.cfg
+                if cfg.save_every and stats.step % cfg.save_every == 0:
+                    self.save()
+                if cfg.eval_every and stats.step % cfg.eval_every == 0:
+                    log.info("step %d  val loss %.4f (local weights)", stats.step, self.trainer.evaluate().loss)
                 log_line = stats.step % cfg.log_every == 0
                 elapsed = time.perf_counter() - window_start
                 if elapsed >= 1.0 or log_line or session_steps == 1:

@@ -70,16 +70,3 @@ def test_next_averaging_is_due_when_the_swarm_ends_the_round_not_after_this_peer
     idle = SimpleNamespace(round=3, _in_flight=None, clock=clock_seeing(Progress(3, 8, 0.0, now)))
     assert SwarmPeer._seconds_to_next_averaging(idle, 2, step_s=0.0) is None  # nobody trains: no estimate
 
-
-def test_a_stalled_peers_old_progress_is_not_extrapolated_into_phantom_steps():
-    """A peer's record carries the time of its last step. One that stalls (an evaluation, a checkpoint, a load
-    spike) must not be counted as still training at its last rate: its phantom steps would end the others' round
-    while it cannot average with them. A record a few seconds old (as a training peer's normally is) still is."""
-    now = time.time()
-    recent, stalled = Progress(3, 6, 2.0, now - 2.0), Progress(3, 6, 2.0, now - 20.0)
-    assert clock_seeing(recent).collective_steps(3, 0, now) == pytest.approx(6 + 2.0 * 2.0, abs=0.1)
-    horizon = 3 * 1.0 + 2 / 2.0  # three record periods of 1 s, two of its steps
-    assert clock_seeing(stalled).collective_steps(3, 0, now) == pytest.approx(6 + 2.0 * horizon, abs=0.1)
-    # So the round waits for it: 4 of our steps + its 14 at most are short of 2 x H = 20, where its 6 + 40
-    # extrapolated steps (capped at 2 x H) used to end the round at once.
-    assert not clock_seeing(stalled).round_done(3, 4)
