@@ -120,8 +120,12 @@ class DataParallelTrainer(Trainer):
         super().__init__(model_cfg, cfg, corpus, device)
         self.rank, self.world_size = rank, world_size
         self.train_batches = self.training_windows(rank_seed(cfg.seed, rank))
+        # torch's PowerSGD hook issues collectives from completion callbacks; on gloo those of different buckets
+        # then reach the ranks in different orders (a size-mismatch abort), so there it gets a single bucket.
+        one_bucket = {"bucket_cap_mb": 1 << 16} if compression == "powersgd" and device.type != "cuda" else {}
         self.ddp = DistributedDataParallel(
-            self.model, device_ids=[device.index] if device.type == "cuda" else None, **_NO_FORWARD_BUFFER_SYNC
+            self.model, device_ids=[device.index] if device.type == "cuda" else None, **_NO_FORWARD_BUFFER_SYNC,
+            **one_bucket,
         )
         self.onebit: OneBitAllReduce | None = register_compression(self.ddp, compression, cfg.sync_warmup_steps)
         self._evaluation_forward = self.forward  # the plain (or compiled) model: evaluation runs on rank 0 alone
