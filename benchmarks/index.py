@@ -265,6 +265,7 @@ def run_quality(args) -> None:
             rows.append([name, "with index" if with_index else "without", f"{trainer.model_cfg.dims}",
                          f"{args.steps} x {args.batch_size}x{trainer.context}", f"{r['loss']:.4f}", f"{bpb:.4f}",
                          f"{r['loss_short']:.4f}", f"{r['loss_long']:.4f}", f"{minutes:.1f}"])
+            print("  done: " + " | ".join(rows[-1]), file=sys.stderr, flush=True)  # a long run keeps what it has
         plain, indexed = results[False], results[True]
         rows.append([name, "index / without", "", "", f"{indexed['loss'] / plain['loss']:.3f}", "",
                      f"{indexed['loss_short'] / plain['loss_short']:.3f}",
