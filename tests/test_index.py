@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -122,6 +123,8 @@ def test_lookup_of_text_not_in_the_index_matches_brute_force(tmp_path):
             # Any occurrence with a next token, i.e. ending before the last indexed position.
             check_against_brute_force(corpus, windows[b, first[b] : t + 1], len(corpus) - 1, *found[b, t].tolist())
     assert found[1, 5 + MAX_MATCH :, 1].eq(MAX_MATCH).all()
+    # numba's own thread pool, not OpenMP: its OpenMP layer left torch's CPU ops ~300x slower after a lookup.
+    assert numba.threading_layer() == "workqueue"
     assert torch.equal(index.lookup_last([windows[0, :17].tolist()])[0], found[0, 16])
 
 
