@@ -10,7 +10,7 @@
     lookup:  python benchmarks/index.py lookup [--device cpu|cuda] [--steps 20] [--rounds 3]
              batched lookups of validation windows (batch x context of the trainer) per second, against the
              trainer's training tokens/s with and without the index input, on the stdlib default data.
-    quality: python benchmarks/index.py quality [--steps 600] [--data stdlib,shakespeare]
+    quality: python benchmarks/index.py quality [--steps 600] [--data stdlib,PATH/tinyshakespeare.txt]
              the same model trained for the same steps on the same batches with and without the index (built on
              the train split only); val loss and bits/byte on val text that is not in the index, split by the
              match length (>= 32 tokens: duplicated text), and the index's own top-1 accuracy on val.
@@ -21,6 +21,7 @@ Timing runs belong under `flock /tmp/tscale-bench.lock`; each table prints the l
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -37,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 WORK = Path(os.environ.get("TSCALE_INDEX_BENCH_DIR", Path(tempfile.gettempdir()) / "tscale-index-bench"))
-SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
 
 
 def load_average() -> str:
@@ -152,8 +152,8 @@ def corpus_and_index(name: str):
     from tscale_p2p.data import load_corpus
     from tscale_p2p.index import TokenIndex, build_index
 
-    corpus = load_corpus("stdlib" if name == "stdlib" else SHAKESPEARE)
-    folder = WORK / f"index-{name}"
+    corpus = load_corpus(name)
+    folder = WORK / f"index-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
     try:
         index = TokenIndex.open(folder, corpus=corpus)
     except Exception:  # noqa: BLE001 - missing or stale: build it afresh
@@ -296,7 +296,7 @@ def main() -> None:
         p.add_argument("--steps", type=int, default=default_steps)
         p.add_argument("--batch-size", type=int, default=16)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--data", default="stdlib,shakespeare")
+        p.add_argument("--data", default="stdlib", help="comma-separated --data sources")
         p.add_argument("--eval-batches", type=int, default=50)
         p.add_argument("--warmup-steps", type=int, default=3)
         p.add_argument("--lookup-batches", type=int, default=20)

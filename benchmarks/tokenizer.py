@@ -12,7 +12,7 @@ For each corpus (the stdlib default, tiny Shakespeare) and tokenizer (byte, bpe:
    (nats / ln 2 / the val split's bytes per token).
 
     python benchmarks/tokenizer.py [--device cpu|cuda] [--steps 300] [--batch-size 8] [--part both|quality|cost]
-        [--data stdlib,/work/shared/data/tinyshakespeare.txt] [--tokenizers byte,bpe:2048,bpe:8192,bpe:32768]
+        [--data stdlib,PATH/tinyshakespeare.txt] [--tokenizers byte,bpe:2048,bpe:8192,bpe:32768]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tscale_p2p.tokenizer import apply_tokenizer, resolve, tokenize_corpus
 from tscale_p2p.trainer import Trainer
 
 LOCK = "/tmp/tscale-bench.lock"
-DEFAULT_DATA = "stdlib,/work/shared/data/tinyshakespeare.txt"
+DEFAULT_DATA = "stdlib"
 DEFAULT_TOKENIZERS = "byte,bpe:2048,bpe:8192,bpe:32768"
 
 
