@@ -57,20 +57,30 @@ def sh(*command: str) -> str:
     return subprocess.run(command, check=True, capture_output=True, text=True).stdout
 
 
-def build_network(peers: int, rate: str, rtt_ms: float, shaping: str) -> str:
-    """Namespaces, bridge and shaped links; returns how the links are shaped."""
-    hub = f"{PREFIX}-hub"
+def build_star(prefix: str, subnet: str, hosts: int, host_dev: str, hub_dev: str) -> None:
+    """Namespaces PREFIX-0..N-1, each with a veth (HOST_DEVi, address SUBNET.i+1) to a bridge in PREFIX-hub
+    (HUB_DEVi); links unshaped."""
+    hub = f"{prefix}-hub"
     sh("ip", "netns", "add", hub)
     sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
     sh("ip", "-n", hub, "link", "set", "br0", "up")
-    for i in range(peers):
-        ns = f"{PREFIX}-{i}"
+    for i in range(hosts):
+        ns = f"{prefix}-{i}"
         sh("ip", "netns", "add", ns)
         sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "link", "add", f"tsv{i}", "netns", ns, "type", "veth", "peer", "name", f"tsh{i}", "netns", hub)
-        sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", f"tsv{i}")
-        sh("ip", "-n", ns, "link", "set", f"tsv{i}", "up")
-        sh("ip", "-n", hub, "link", "set", f"tsh{i}", "master", "br0", "up")
+        sh("ip", "link", "add", f"{host_dev}{i}", "netns", ns, "type", "veth",
+           "peer", "name", f"{hub_dev}{i}", "netns", hub)
+        sh("ip", "-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", f"{host_dev}{i}")
+        sh("ip", "-n", ns, "link", "set", f"{host_dev}{i}", "up")
+        sh("ip", "-n", hub, "link", "set", f"{hub_dev}{i}", "master", "br0", "up")
+
+
+def build_network(peers: int, rate: str, rtt_ms: float, shaping: str) -> str:
+    """Namespaces, bridge and shaped links; returns how the links are shaped."""
+    hub = f"{PREFIX}-hub"
+    build_star(PREFIX, SUBNET, peers, "tsv", "tsh")
+    for i in range(peers):
+        ns = f"{PREFIX}-{i}"
         if shaping == "relay":  # the rate here, the delay in the relays (start_relays)
             for where, device in ((ns, f"tsv{i}"), (hub, f"tsh{i}")):
                 sh("tc", "-n", where, "qdisc", "add", "dev", device, "root", "tbf",

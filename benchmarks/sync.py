@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from swarm_netem import build_star, sh  # the same namespace star, shaped here with tbf alone
+
 PREFIX = "tsync"
 SUBNET = "10.78.0"
 MASTER_PORT = 29517
@@ -42,24 +44,10 @@ VAL_LINE = re.compile(r"val loss (\d+\.\d+)")
 HOOK_LINE = re.compile(r"onebit: (\d+\.\d+) bits/value each way")
 
 
-def sh(*command: str) -> str:
-    return subprocess.run(command, check=True, capture_output=True, text=True).stdout
-
-
 def build_network(ranks: int, rate: str) -> None:
-    hub = f"{PREFIX}-hub"
-    sh("ip", "netns", "add", hub)
-    sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
-    sh("ip", "-n", hub, "link", "set", "br0", "up")
+    build_star(PREFIX, SUBNET, ranks, "tsr", "tsb")
     for i in range(ranks):
-        ns = f"{PREFIX}-{i}"
-        sh("ip", "netns", "add", ns)
-        sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "link", "add", f"tsr{i}", "netns", ns, "type", "veth", "peer", "name", f"tsb{i}", "netns", hub)
-        sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", f"tsr{i}")
-        sh("ip", "-n", ns, "link", "set", f"tsr{i}", "up")
-        sh("ip", "-n", hub, "link", "set", f"tsb{i}", "master", "br0", "up")
-        for where, device in ((ns, f"tsr{i}"), (hub, f"tsb{i}")):
+        for where, device in ((f"{PREFIX}-{i}", f"tsr{i}"), (f"{PREFIX}-hub", f"tsb{i}")):
             sh("tc", "-n", where, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate, "burst", "256kb",
                "latency", "200ms")
 
