@@ -455,7 +455,7 @@ def _build_cache(target: Path, documents: Iterator[tuple[str, Iterable[bytes]]],
     try:
         starts = {s: array("q") for s in ("train", "val")}
         sizes = {"train": 0, "val": 0}
-        with _SlowJobProgress(f"tokenizing {what}", total_bytes) as progress:
+        with slow_job(f"tokenizing {what}", total_bytes) as progress:
             for doc_key, chunks in documents:
                 split = "val" if _in_val(doc_key, val_fraction) else "train"
                 starts[split].append(sizes[split])
@@ -518,7 +518,7 @@ def _move_tail(files: dict, sizes: dict, src: str, dst: str, begin: int) -> None
 
 # Tokenizing and scanning report through the shared long-work path (a rich bar on a terminal, the dashboard's
 # progress line under the dashboard); jobs quicker than 2 s show nothing.
-_SlowJobProgress = functools.partial(long_work, delay=2.0, transient=True)
+slow_job = functools.partial(long_work, delay=2.0, transient=True)
 
 
 # ---- tokenized .bin files: memory-mapped as they are --------------------------------------------
@@ -594,7 +594,7 @@ def _largest_token(path: Path, tokens: np.ndarray, cache: Path) -> int:
         pass
     chunk = 1 << 24
     largest = 0
-    with _SlowJobProgress(f"scanning {path.name}", len(tokens), unit="items") as progress:
+    with slow_job(f"scanning {path.name}", len(tokens), unit="items") as progress:
         for i in range(0, len(tokens), chunk):
             largest = max(largest, int(tokens[i : i + chunk].max()))
             progress.advance(min(chunk, len(tokens) - i))

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tscale_p2p.data import ByteTokenizer, Corpus, TokenStream, _SlowJobProgress, default_cache_dir
+from tscale_p2p.data import ByteTokenizer, Corpus, TokenStream, default_cache_dir, slow_job
 from tscale_p2p.errors import UserError
 from tscale_p2p.progress import long_work
 
@@ -367,7 +367,7 @@ def _build_token_cache(target: Path, corpus: Corpus, tokenizer: BPETokenizer) ->
     meta = {"format": _CACHE_FORMAT, "source": corpus.source, "tokenizer_sha256": tokenizer.sha256,
             "dtype": tokenizer.id_dtype.name}
     try:
-        with _SlowJobProgress(f"tokenizing {corpus.source} with {tokenizer.describe()}", total) as progress:
+        with slow_job(f"tokenizing {corpus.source} with {tokenizer.describe()}", total) as progress:
             for split in ("train", "val"):
                 stream = corpus.stream(split)
                 with open(tmp / f"{split}.ids", "wb") as out:
@@ -443,7 +443,7 @@ def _pieces(tokens: np.ndarray, begin: int, end: int) -> Iterator[bytes]:
 def _bin_with_tokenizer(corpus: Corpus, tokenizer: BPETokenizer) -> Corpus:
     """A .bin corpus that names its tokenizer: its ids checked against the vocabulary, bits per byte known."""
     largest, val_bytes = 0, 0
-    with _SlowJobProgress(f"checking {corpus.source}'s ids", len(corpus.train) + len(corpus.val)) as progress:
+    with slow_job(f"checking {corpus.source}'s ids", len(corpus.train) + len(corpus.val)) as progress:
         for stream in (corpus.train, corpus.val):
             for i in range(0, len(stream), 1 << 24):
                 chunk = np.asarray(stream.tokens[i : i + (1 << 24)])
