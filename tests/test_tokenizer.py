@@ -233,6 +233,8 @@ def test_a_joiner_adopts_the_founders_tokenizer_and_both_train(text_file, tmp_pa
         b.wait_for(r"round \d+: averaged with 1 peer", timeout=90)
         assert (tmp_path / "b" / "tokenizer.json").read_bytes() == (tmp_path / "a" / "tokenizer.json").read_bytes()
         assert "BPE tokenizer (300 tokens" in b.output()
+        # The founder logs the same round once its own side of it ends, which may be after the joiner's line.
+        a.wait_for(r"round \d+: averaged with 1 peer", timeout=60)
         assert any(others == 1 for others, _ in rounds(a.output()).values())
         # A joiner whose --tokenizer is not the run's is refused, naming both.
         capsys.readouterr()
