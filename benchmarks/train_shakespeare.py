@@ -54,14 +54,18 @@ RUNS = {
     "d3-wsd-1500": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.3, "schedule": "wsd", "cooldown_fraction": 0.4, "steps": 1500}),
     "deep8-d3-1500": dict(model="e384h6d8w256", **{**NANOGPT, "dropout": 0.3, "steps": 1500}),
     "wide512-d35-2000": dict(model="e512h8d6w256", **{**NANOGPT, "dropout": 0.35, "lr": 7e-4, "steps": 2000}),
+    # stronger weight decay on d3-wd3-1500, the best so far
+    "d3-wd5-1500": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.3, "weight_decay": 0.5, "steps": 1500}),
+    "d3-wd10-1500": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.3, "weight_decay": 1.0, "steps": 1500}),
+    "d35-wd5-1800": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.35, "weight_decay": 0.5, "steps": 1800}),
 }
 
 
 def train_to_target(name: str, data: str, target: float, eval_every: int, device: str = "cuda", *,
-                    whole_schedule: bool = False) -> dict:
+                    whole_schedule: bool = False, seed: int = 0) -> dict:
     """Train run `name`, evaluating every `eval_every` steps; stop at the target unless `whole_schedule`."""
     settings = RUNS[name]
-    cfg = TrainConfig(data=data, device=device, eval_every=eval_every, **settings)
+    cfg = TrainConfig(data=data, device=device, eval_every=eval_every, seed=seed, **settings)
     corpus = load_corpus(data)
     model_cfg = ModelConfig.from_dims(cfg.model, window_schedule=cfg.window_schedule, mlp=cfg.mlp, dropout=cfg.dropout)
     trainer = Trainer(model_cfg, cfg, corpus, torch.device(device))
@@ -138,13 +142,13 @@ def timed_val_losses(command: list[str], cwd: Path, pattern: re.Pattern, log) ->
     return readings
 
 
-def race_nanogpt(run: str, data: str, nanogpt: Path, target: float, eval_every: int) -> None:
+def race_nanogpt(run: str, data: str, nanogpt: Path, target: float, eval_every: int, seed: int) -> None:
     """Part 3: nanoGPT's shakespeare_char config and our run `run`, one after the other, timed from launch."""
     prepared = nanogpt / "data" / "shakespeare_char"
     shutil.copyfile(data, prepared / "input.txt")  # prepare.py reads it instead of downloading
     subprocess.run([sys.executable, "prepare.py"], cwd=prepared, check=True, stdout=subprocess.DEVNULL)
     ours = [sys.executable, str(Path(__file__).resolve()), "--data", str(Path(data).resolve()), "--part", "1",
-            "--runs", run, "--target", str(target), "--eval-every", str(eval_every), "--whole-schedule"]
+            "--runs", run, "--target", str(target), "--eval-every", str(eval_every), "--whole-schedule", "--seed", str(seed)]
     contenders = [
         ("nanoGPT train.py config/train_shakespeare_char.py", [sys.executable, "train.py", "config/train_shakespeare_char.py"], nanogpt, NANOGPT_EVAL),
         (f"ours: {run}", ours, Path.cwd(), OURS_EVAL),
@@ -175,6 +179,7 @@ def main() -> None:
     parser.add_argument("--part", choices=("1", "2", "both", "3"), default="both")
     parser.add_argument("--whole-schedule", action="store_true", help="part 1: train on past the target to the end")
     parser.add_argument("--nanogpt", type=Path, help="part 3: a checkout of nanoGPT to race against")
+    parser.add_argument("--seed", type=int, default=0, help="our runs' seed for weights and data sampling")
     args = parser.parse_args()
     unknown = [name for name in args.runs.split(",") if name not in RUNS]
     if unknown:
@@ -184,13 +189,14 @@ def main() -> None:
             parser.error(f"--part 3 needs --nanogpt DIR holding nanoGPT's train.py, got {args.nanogpt}")
         if "," in args.runs:
             parser.error(f"--part 3 races one run, got --runs {args.runs}")
-        race_nanogpt(args.runs, args.data, args.nanogpt.resolve(), args.target, args.eval_every)
+        race_nanogpt(args.runs, args.data, args.nanogpt.resolve(), args.target, args.eval_every, args.seed)
         return
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
 
     if args.part in ("1", "both"):
         results = [
-            train_to_target(name, args.data, args.target, args.eval_every, whole_schedule=args.whole_schedule)
+            train_to_target(name, args.data, args.target, args.eval_every, whole_schedule=args.whole_schedule,
+                            seed=args.seed)
             for name in args.runs.split(",")
         ]
         print(f"\n| run | params | steps to {args.target} | train s to target | wall s incl. compile+eval | ms/step | best val |")
