@@ -15,7 +15,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
 from tscale_p2p.cli import main
-from tscale_p2p.peers.cli import PEER_COLUMNS, print_peer_table
+from tscale_p2p.cli.swarm import PEER_COLUMNS, print_peer_table
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics, peer_records_key
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus
 

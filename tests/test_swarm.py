@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from tscale_p2p.cli import build_parser, main
-from tscale_p2p.peers.cli import join_inputs
+from tscale_p2p.cli.swarm import join_inputs
 from tscale_p2p.peers.join import join
 from tscale_p2p.peers.progress import Progress, RoundClock
 from tscale_p2p.peers.status import LocalStatus

@@ -11,9 +11,9 @@ from dataclasses import MISSING, fields
 from tscale_p2p import __version__
 from tscale_p2p.config import TrainConfig, field_types
 from tscale_p2p.errors import UserError
-from tscale_p2p.generate_cli import add_infer_parser, add_serve_parser
-from tscale_p2p.launch import add_launch_flags, check_launch_flags, launch, launch_flags_given
-from tscale_p2p.index_cli import add_index_parser
+from tscale_p2p.cli.generate import add_infer_parser, add_serve_parser
+from tscale_p2p.cli.launch import add_launch_flags, check_launch_flags, launch, launch_flags_given
+from tscale_p2p.cli.index import add_index_parser
 
 PROG = "tscale-peer"
 
@@ -79,8 +79,8 @@ def build_parser() -> ArgumentParser:
     add_launch_flags(train)
     train.set_defaults(handler=run_train)
 
-    from tscale_p2p.peers.cli import add_join_parser, add_peers_parser  # here: peers.cli imports this module
-    from tscale_p2p.tui.command import add_dashboard_parser
+    from tscale_p2p.cli.dashboard import add_dashboard_parser
+    from tscale_p2p.cli.swarm import add_join_parser, add_peers_parser  # here: cli.swarm imports this module
 
     add_join_parser(commands)
     add_peers_parser(commands)

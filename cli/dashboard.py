@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from tscale_p2p.errors import UserError
-from tscale_p2p.peers.cli import DEFAULT_RUN_ID
+from tscale_p2p.cli.swarm import DEFAULT_RUN_ID
 
 
 def add_dashboard_parser(commands) -> None:
