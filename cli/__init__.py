@@ -1,4 +1,8 @@
-"""`tscale-peer`: the command line. Each subcommand parses its flags here and hands off to one module."""
+"""`tscale-peer`: the command line. Each subcommand parses its flags here and hands off to one module.
+
+This package is the top layer: it may import the dashboard, the swarm, the core and the kernels, and nothing
+below imports it (an import-linter contract in pyproject.toml, checked by `.ci/check_layers.py`).
+"""
 
 from __future__ import annotations
 
@@ -125,6 +129,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

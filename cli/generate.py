@@ -74,7 +74,7 @@ def _load_model(args: argparse.Namespace):
         if args.run_id is not None:
             raise UserError("--run-id goes with --initial-peers, not with --checkpoint")
         return load_model(args.checkpoint, args.device, args.precision)
-    # The swarm is imported only here: the core does not depend on the network stack.
+    # The swarm is imported only here: a checkpoint needs no network stack (hivemind, p2pd) loaded.
     from tscale_p2p.cli.swarm import DEFAULT_RUN_ID
     from tscale_p2p.peers.fetch import fetch_swarm_model
     from tscale_p2p.peers.network import parse_multiaddrs

@@ -100,7 +100,7 @@ def run_join(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:  # Ctrl+C before join() took over SIGINT (while starting up)
             print(INTERRUPTED, file=sys.stderr)
             return 130
-    from tscale_p2p.tui.app import run_dashboard_while  # peers must not import the tui at module level
+    from tscale_p2p.tui.app import run_dashboard_while  # Textual loads only when the dashboard runs
 
     return run_dashboard_while(lambda: join(cfg, explicit, options, status), status)
 
