@@ -168,7 +168,8 @@ def corpus_and_index(name: str):
 def make_trainer(corpus, index, args, with_index: bool):
     from tscale_p2p.config import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, TrainConfig
     from tscale_p2p.model import ModelConfig
-    from tscale_p2p.trainer import Trainer, resolve_device
+    from tscale_p2p.device import resolve_device
+    from tscale_p2p.trainer import Trainer
 
     device = resolve_device(args.device)
     dims = args.model or (DEFAULT_GPU_MODEL if device.type == "cuda" else DEFAULT_CPU_MODEL)

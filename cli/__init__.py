@@ -99,7 +99,7 @@ def run_train(args: argparse.Namespace) -> int:
     """Solo; one rank of a data-parallel run under torchrun; or, with --nproc-per-node, the ranks' launcher."""
     from tscale_p2p.distributed import RankEnvironment, check_sync_config, train_data_parallel
     from tscale_p2p.solo import train_solo
-    from tscale_p2p.trainer import resolve_device
+    from tscale_p2p.device import resolve_device
 
     cfg = train_config_from_args(args)
     env = RankEnvironment.from_environ()

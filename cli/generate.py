@@ -7,7 +7,7 @@ import sys
 import time
 
 from tscale_p2p.errors import UserError
-from tscale_p2p.kernels.precision import PRECISIONS
+from tscale_p2p.device import PRECISION_CHOICES
 
 
 def add_infer_parser(commands) -> None:
@@ -56,7 +56,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="with --initial-peers: which run (default: tscale, as for join)")
     source.add_argument("--fetch-timeout", type=float, default=60.0, metavar="S",
                         help="with --initial-peers: give up after S seconds without the model (default: 60)")
-    parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--index", metavar="DIR",
                         help="the index the model was trained with (tscale-peer index build), for a model with an index input")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")

@@ -50,7 +50,7 @@ from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
 from tscale_p2p.progress import long_work
 from tscale_p2p.solo import GracefulStop, model_config_for, prepare_trainer
 from tscale_p2p.tokenizer import apply_tokenizer, checkpoint_tokenizer, describe, describe_id, tokenizer_id
-from tscale_p2p.trainer import resolve_device
+from tscale_p2p.device import resolve_device
 
 log = logging.getLogger(__name__)
 

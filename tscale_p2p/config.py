@@ -11,6 +11,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from tscale_p2p.device import PRECISION_CHOICES
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import MLP_KINDS, WINDOW_SCHEDULES
 
@@ -19,7 +20,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp8", "int8")
 OFFLOAD_MODES = ("none", "optimizer")
 ACCUMULATE_ON = ("device", "host")
 GRAD_ROUNDING = ("nearest", "stochastic")
@@ -44,7 +44,7 @@ class TrainConfig:
     window_schedule: str = field(default="tscale", metadata={"choices": WINDOW_SCHEDULES, "help": "attention windows: tscale (short/full alternation) or dense"})
     mlp: str = field(default="relu2", metadata={"choices": MLP_KINDS, "help": "MLP kind: relu2 or swiglu"})
     dropout: float = field(default=0.0, metadata={"help": "residual dropout"})
-    precision: str = field(default="auto", metadata={"choices": PRECISIONS, "help": "matmul precision: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp8, int8"})
+    precision: str = field(default="auto", metadata={"choices": PRECISION_CHOICES, "help": "matmul precision: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp8, int8"})
     grad_rounding: str = field(default="nearest", metadata={"choices": GRAD_ROUNDING, "help": "fp8/int8: how the gradients' casts round; stochastic (TScale's dithering) is unbiased, and measured no better on loss (benchmarks/RESULTS.md)"})
     device: str = field(default="auto", metadata={"choices": DEVICES, "help": "auto, cpu or cuda"})
     compile: bool = field(default=True, metadata={"help": "torch.compile the model on CUDA"})

@@ -34,7 +34,8 @@ from tscale_p2p.comm_hooks import OneBitAllReduce, register_compression
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.solo import prepare_trainer, run_training
-from tscale_p2p.trainer import StepStats, Trainer, resolve_device
+from tscale_p2p.device import resolve_device
+from tscale_p2p.trainer import StepStats, Trainer
 
 log = logging.getLogger(__name__)
 

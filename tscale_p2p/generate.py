@@ -32,13 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tscale_p2p.checkpoint import META_FILE, find_latest, load_checkpoint
 from tscale_p2p.data import ByteTokenizer
+from tscale_p2p.device import choose_precision, resolve_device
 from tscale_p2p.errors import UserError
-from tscale_p2p.model import ModelConfig, Transformer, windowed_attention
+from tscale_p2p.kernels import convert_linears
+from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.tokenizer import checkpoint_tokenizer
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,9 @@ class GenerationSequence:
 
 class RingKVCache(nn.Module):
     """Keys and values of one layer for `batch` sequences: the newest `size` positions of each, position p in
-    slot p % size. With size = the layer's window, every filled slot is inside the window."""
+    slot p % size. With size = the layer's window, every filled slot is inside the window.
+
+    As the model's `KVCache` it serves decode steps: one new token per row; `PromptFill` serves prefills."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, size: int, dtype: torch.dtype, device) -> None:
         super().__init__()
@@ -226,6 +229,23 @@ class RingKVCache(nn.Module):
         """Attention mask [B, 1, 1, size] for queries at `positions`: the slots written so far."""
         slots = torch.arange(self.size, device=positions.device)
         return (slots[None, :] <= positions[:, None])[:, None, None, :]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """A decode step's token per row ([B, H, 1, D] at `positions` [B, 1]): attend over the filled slots."""
+        self.append(k, v, positions[:, 0])
+        return self.k, self.v, self.visible(positions[:, 0])
+
+
+class PromptFill:
+    """A `RingKVCache` as a prefill sees it: the prompts' keys/values go into `rows` of the cache, and their
+    queries attend within the prompts (the model's own windowed attention)."""
+
+    def __init__(self, cache: RingKVCache, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.cache, self.rows, self.lengths = cache, rows, lengths
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: None):
+        self.cache.store_prompt(self.rows, k, v, self.lengths)
+        return k, v, None
 
 
 @dataclass
@@ -437,9 +457,8 @@ class GenerationEngine(nn.Module):
         return noise
 
     def _prefill(self, rows: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
-        """Run the prompts through the model, storing every layer's keys/values. -> logits [n, V] of each
-        prompt's last token. The model's own forward keeps no cache, so this walks its blocks."""
-        model = self.model
+        """Run the prompts through the model, storing every layer's keys/values in `rows`. -> logits [n, V] of
+        each prompt's last token."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         # Right padding never reaches real positions (attention is causal); padding to a few lengths keeps
         # the number of distinct shapes (and FlexAttention compilations on CUDA) small.
@@ -449,31 +468,17 @@ class GenerationEngine(nn.Module):
         for i, prompt in enumerate(prompts):
             idx[i, : len(prompt)] = torch.tensor(prompt)
         matches = None if self.index is None else self.index.lookup(idx).to(self.device)
-        x = model.embed(idx.to(self.device), matches)
-        for block, cache in zip(model.blocks, self.caches):
-            attn = block.attn
-            q, k, v = attn.split_heads(block.attn_norm(x))
-            q, k = model.rotary(q), model.rotary(k)
-            cache.store_prompt(rows, k, v, lengths)
-            x = x + attn.merge_heads(windowed_attention(q, k, v, attn.window))
-            x = x + block.mlp(block.mlp_norm(x))
-        last = x[torch.arange(len(prompts), device=self.device), lengths - 1]
-        return model.lm_head(model.norm(last))
+        fills = [PromptFill(cache, rows, lengths) for cache in self.caches]
+        hidden = self.model.hidden_states(idx.to(self.device), matches, caches=fills)
+        last = hidden[torch.arange(len(prompts), device=self.device), lengths - 1]
+        return self.model.lm_head(last)
 
     def _decode_and_sample(self) -> torch.Tensor:
         """Feed every row's current token at its position, sample the next, advance. -> next tokens [B]."""
-        model, positions = self.model, self.positions
-        x = model.embed(self.tokens[:, None], None if self.index is None else self.matches[:, None])
-        rotary_positions = positions[:, None, None]
-        for block, cache in zip(model.blocks, self.caches):
-            attn = block.attn
-            q, k, v = attn.split_heads(block.attn_norm(x))
-            q, k = model.rotary(q, rotary_positions), model.rotary(k, rotary_positions)
-            cache.append(k, v, positions)
-            y = F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=cache.visible(positions))
-            x = x + attn.merge_heads(y)
-            x = x + block.mlp(block.mlp_norm(x))
-        logits = model.lm_head(model.norm(x))[:, 0]
+        positions = self.positions
+        matches = None if self.index is None else self.matches[:, None]
+        hidden = self.model.hidden_states(self.tokens[:, None], matches, positions[:, None], list(self.caches))
+        logits = self.model.lm_head(hidden[:, 0])
         next_tokens = sample(logits, self.temperature, self.top_k, self.top_p, self.noise)
         self.tokens.copy_(next_tokens)
         # Rows that already used the whole context only produce ignored tokens; keep their index in range.
@@ -539,30 +544,11 @@ def load_model(
 def prepare_for_inference(model: Transformer, device: str = "auto", precision: str = "auto") -> Transformer:
     """Move `model` to `device` with weights in `precision` (auto: bf16 on CUDA, fp32 on the CPU; fp8/int8 swap
     in the quantized linears, or fall back to bf16 where the device lacks them). Rotary tables stay fp32."""
-    from tscale_p2p.kernels import convert_linears, resolve_precision
-
-    target = _resolve_device(device)
-    if precision == "auto":
-        precision = "bf16" if target.type == "cuda" else "fp32"
-    precision = resolve_precision(precision, target)
+    target = resolve_device(device)
+    precision = choose_precision(precision, target)
     # bf16 weights rather than autocast: decoding reads every weight once per token, so bytes are speed.
     model = model.to(device=target, dtype=torch.float32 if precision == "fp32" else torch.bfloat16)
     model.rotary.float()  # angles of late positions need more than bf16's 8 bits of mantissa
     log.info("model on %s in %s", target, precision)
     return convert_linears(model, precision).eval()
 
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        target = torch.device(device)
-    except RuntimeError:
-        target = None
-    if target is None or target.type not in ("cpu", "cuda"):
-        raise UserError(f"unknown device {device!r}; choose auto, cpu, cuda or cuda:N")
-    if target.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {device!r}: CUDA is not available on this machine")
-    if target.type == "cuda" and (target.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return target

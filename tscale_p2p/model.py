@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -172,10 +173,12 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Rotate x of shape [B, H, T, D]; positions default to 0..T-1."""
-        t = x.shape[-2]
-        cos = self.cos[:t] if positions is None else self.cos[positions]
-        sin = self.sin[:t] if positions is None else self.sin[positions]
+        """Rotate x of shape [B, H, T, D] by the positions [B, T] of its tokens (default: 0..T-1 in every row)."""
+        if positions is None:
+            t = x.shape[-2]
+            cos, sin = self.cos[:t], self.sin[:t]
+        else:
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         x1, x2 = x.float().chunk(2, dim=-1)
         rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
         return rotated.type_as(x)
@@ -228,6 +231,18 @@ def block_masks_for(windows: list[int], t: int, device: torch.device) -> dict:
     return {w: flex_block_mask(t, w, device) for w in set(windows) if w < t}
 
 
+class KVCache(Protocol):
+    """One layer's keys and values kept from call to call, for generation (`generate.RingKVCache`)."""
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keep k, v [B, H, T, D] of the tokens at `positions` [B, T] (None: whole prompts from position 0).
+        -> (keys, values, mask) for the queries to attend to; mask None: the layer's windowed causal attention
+        over the keys and values just given."""
+        ...
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int) -> None:
         super().__init__()
@@ -245,10 +260,20 @@ class Attention(nn.Module):
         b, _, t, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, block_mask=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary, block_mask=None, cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         q, k, v = self.split_heads(x)
-        q, k = rotary(q), rotary(k)
-        return self.merge_heads(windowed_attention(q, k, v, self.window, block_mask))
+        q, k = rotary(q, positions), rotary(k, positions)
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.update(k, v, positions)
+        if mask is None:
+            y = windowed_attention(q, k, v, self.window, block_mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.merge_heads(y)
 
 
 class MLP(nn.Module):
@@ -288,14 +313,19 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, block_masks: dict | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary, block_masks: dict | None = None, cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         block_mask = (block_masks or {}).get(self.attn.window)
-        x = x + self.dropout(self.attn(in_compute_dtype(self.attn_norm(x)), rotary, block_mask))
+        x = x + self.dropout(self.attn(in_compute_dtype(self.attn_norm(x)), rotary, block_mask, cache, positions))
         return x + self.dropout(self.mlp(in_compute_dtype(self.mlp_norm(x))))
 
 
 class Transformer(nn.Module):
     """Decoder-only language model: `model(idx) -> logits` for token ids of shape [B, T].
+
+    Generation passes one `KVCache` per block, and the `positions` of the tokens when they do not start at 0.
 
     The first `checkpointed_blocks` blocks keep only their input in training and recompute themselves in
     backward (about a third more compute per block for a fraction of its activation memory).
@@ -337,17 +367,28 @@ class Transformer(nn.Module):
             raise ValueError("this model reads index matches: pass matches (TokenIndex.lookup)")
         return x + self.index_token_emb(matches[..., 0]) + self.index_length_emb(matches[..., 1])
 
-    def forward(self, idx: torch.Tensor, matches: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, matches: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+        caches: list[KVCache] | None = None,
+    ) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(idx, matches, positions, caches))
+
+    def hidden_states(
+        self, idx: torch.Tensor, matches: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+        caches: list[KVCache] | None = None,
+    ) -> torch.Tensor:
+        """What `lm_head` reads, [B, T, width] (generation turns only the positions it samples into logits)."""
         if idx.shape[1] > self.cfg.context:
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds the model context {self.cfg.context}")
         x = self.dropout(self.embed(idx, matches))
-        masks = block_masks_for(self.cfg.layer_windows(), idx.shape[1], idx.device)
-        for index, block in enumerate(self.blocks):
+        # Block masks serve sequences that start at position 0; tokens at other positions attend through a cache.
+        masks = block_masks_for(self.cfg.layer_windows(), idx.shape[1], idx.device) if positions is None else {}
+        for index, (block, cache) in enumerate(zip(self.blocks, caches or [None] * len(self.blocks))):
             if index < self.checkpointed_blocks and torch.is_grad_enabled():
-                x = checkpoint(block, x, self.rotary, masks, use_reentrant=False)
+                x = checkpoint(block, x, self.rotary, masks, cache, positions, use_reentrant=False)
             else:
-                x = block(x, self.rotary, masks)
-        return self.lm_head(self.norm(x))
+                x = block(x, self.rotary, masks, cache, positions)
+        return self.norm(x)
 
     def execution_units(self) -> list[list[nn.Module]]:
         """The modules that hold parameters, grouped in the order the forward uses them; the first module of

@@ -15,7 +15,8 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.tokenizer import apply_tokenizer, checkpoint_tokenizer
-from tscale_p2p.trainer import Stopwatch, Trainer, resolve_device
+from tscale_p2p.device import resolve_device
+from tscale_p2p.trainer import Stopwatch, Trainer
 
 log = logging.getLogger(__name__)
 

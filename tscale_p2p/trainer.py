@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tscale_p2p.checkpoint import Checkpoint, capture_rng_state, restore_rng_state, save_checkpoint
 from tscale_p2p.clipping import clip_in_optimizers
 from tscale_p2p.config import TrainConfig
+from tscale_p2p.device import choose_precision
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.tokenizer import checkpoint_entry
@@ -35,26 +36,6 @@ PEAK_BF16_FLOPS = {
     "RTX 4090": 165e12,
     "RTX 3090": 71e12,
 }
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA when available; asking for CUDA on a machine without it is a user error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("device 'cuda' requested but no CUDA GPU is available (use --device cpu)")
-    return torch.device(name)
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """The precision actually used: `auto` is bf16 on GPU and fp32 on CPU; fp8/int8 go through the kernels."""
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if precision in ("fp8", "int8"):
-        from tscale_p2p.kernels import resolve_precision as resolve_low_precision
-
-        return resolve_low_precision(precision, device)
-    return precision
 
 
 def limit_gpu_memory(gib: float | None, device: torch.device) -> None:
@@ -106,7 +87,7 @@ class Trainer:
         self.cfg, self.model_cfg, self.corpus, self.device = cfg, model_cfg, corpus, device
         self.context = cfg.context or model_cfg.context
         corpus.check_context(self.context)
-        self.precision = resolve_precision(cfg.precision, device)
+        self.precision = choose_precision(cfg.precision, device)
         limit_gpu_memory(cfg.gpu_memory_limit, device)
         self.offloaded = cfg.offload != "none"
         if self.offloaded:
