@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from hivemind import DHT
 
+from tscale_p2p.atomic import write_atomically
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig
@@ -185,14 +185,7 @@ def publish_run_config(dht: DHT, run_id: str, config: RunConfig) -> bool:
 
 def save_run_config(out: str | Path, config: RunConfig) -> None:
     """Write OUT/run-config.json (atomically), so a restarted peer knows which run its checkpoints belong to."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    temporary = out / f".tmp-{RUN_CONFIG_FILE}"
-    with open(temporary, "wb") as handle:
-        handle.write(_canonical(config.to_wire()))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, out / RUN_CONFIG_FILE)
+    write_atomically(Path(out) / RUN_CONFIG_FILE, _canonical(config.to_wire()))
 
 
 def load_saved_run_config(out: str | Path) -> RunConfig | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from tscale_p2p.atomic import write_atomically
 from tscale_p2p.errors import UserError
 from tscale_p2p.peers.fetch import fetch_run_tokenizer
 from tscale_p2p.peers.run_config import RunConfig
@@ -22,7 +23,6 @@ from tscale_p2p.tokenizer import (
     describe_id,
     parse_spec,
     tokenizer_id,
-    write_atomically,
 )
 
 

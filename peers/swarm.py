@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections import Counter
@@ -44,6 +43,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tscale_p2p import __version__
+from tscale_p2p.atomic import atomic_file
 from tscale_p2p.peers.averaging import PendingRound, RoundOutcome, SwarmAverager
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
@@ -219,16 +219,12 @@ class SwarmPeer:
         """The trainer's checkpoint, then the outer state (global weights, momentum, round) in OUT/swarm-state.safetensors."""
         path = self.trainer.save(self.trainer.cfg.out)
         metadata, tensors = self.shared_state()
-        target = Path(self.trainer.cfg.out) / SWARM_STATE_FILE
-        temporary = target.with_name(f".tmp-{SWARM_STATE_FILE}")
-        save_file(
-            {f"{i:05d}": t.contiguous() for i, t in enumerate(tensors)},
-            temporary,
-            metadata={"state": json.dumps(metadata)},
-        )
-        with open(temporary, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)  # atomic: a crash leaves the old file or the new one
+        with atomic_file(Path(self.trainer.cfg.out) / SWARM_STATE_FILE) as temporary:
+            save_file(
+                {f"{i:05d}": t.contiguous() for i, t in enumerate(tensors)},
+                temporary,
+                metadata={"state": json.dumps(metadata)},
+            )
         return path
 
     def load_saved_state(self) -> bool:

@@ -9,9 +9,9 @@ One checkpoint is one directory, so that it appears or disappears as a whole::
         meta.json               format version, step, model config, the caller's meta, the optimizer's
                                 non-tensor state (param_groups), size and sha256 of every file, its own checksum
 
-`save_checkpoint` builds it in ``OUT/.tmp-*``, fsyncs every file and the directory, renames it to
-``step-NNNNNNNN``, fsyncs OUT, and only then deletes checkpoints beyond the newest ``keep``. Saving a
-step that already has a checkpoint adds ``step-NNNNNNNN.1`` (``.2``, ...), newer than the first: no
+`save_checkpoint` builds it in ``OUT/.tmp-*`` (`atomic.atomic_directory`), fsyncs every file and the
+directory, renames it to ``step-NNNNNNNN``, fsyncs OUT, and only then deletes checkpoints beyond the newest
+``keep``. Saving a step that already has a checkpoint adds ``step-NNNNNNNN.1`` (``.2``, ...), newer than the first: no
 name is reused, so no rename ever replaces a checkpoint. A crash at any point leaves the previous
 checkpoints intact and no partial ``step-*`` directory; the next save removes leftover ``.tmp-*``
 entries. One writer per OUT directory.
@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from tscale_p2p.atomic import TMP_PREFIX, atomic_directory, fsync_path
 from tscale_p2p.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,6 @@ RNG_FILE = "rng.safetensors"
 META_FILE = "meta.json"
 
 _STEP_DIR = re.compile(r"step-(\d{8,})(?:\.(\d+))?")
-_TMP_PREFIX = ".tmp-"
 _HASH_CHUNK = 1 << 20
 
 
@@ -133,26 +132,18 @@ def save_checkpoint(
     _make_dirs(out)
     _remove_leftovers(out)
     final = _new_step_dir(out, step)
-    tmp = out / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
+    with atomic_directory(final) as tmp:
         files = {MODEL_FILE: _write_tensors(tmp / MODEL_FILE, model_state)}
         if optimizer_state is not None:
             files[OPTIMIZER_FILE] = _write_tensors(tmp / OPTIMIZER_FILE, optimizer_tensors)
         if rng_state is not None:
             files[RNG_FILE] = _write_tensors(tmp / RNG_FILE, rng_state)
         for name, data in (extra_files or {}).items():
-            _write_durably(tmp / name, data)
+            (tmp / name).write_bytes(data)
             files[name] = {"bytes": len(data), "sha256": _sha256_bytes(data)}
         manifest["files"] = files
         manifest["checksum"] = _sha256_bytes(_canonical(manifest))
-        _write_durably(tmp / META_FILE, json.dumps(manifest, indent=1).encode())
-        _fsync_path(tmp)
-        os.rename(tmp, final)
-        _fsync_path(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (tmp / META_FILE).write_bytes(json.dumps(manifest, indent=1).encode())
     _prune(out, keep, final)
     log.info("saved checkpoint %s", final)
     return final
@@ -273,7 +264,7 @@ def restore_rng_state(state: Mapping[str, torch.Tensor]) -> None:
 
 
 def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """save_file plus fsync; returns the file's size and sha256 for the manifest."""
+    """save_file; returns the file's size and sha256 for the manifest."""
     prepared: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
     for name, tensor in tensors.items():
@@ -289,24 +280,7 @@ def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str,
     with open(path, "rb") as file:
         while chunk := file.read(_HASH_CHUNK):
             digest.update(chunk)
-        os.fsync(file.fileno())
     return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _fsync_path(path: Path) -> None:
-    """fsync a directory so that the entries created or renamed in it survive a power cut."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _make_dirs(out: Path) -> None:
@@ -319,13 +293,13 @@ def _make_dirs(out: Path) -> None:
         raise UserError(f"checkpoint directory {out}: {probe} is not a directory")
     for directory in reversed(missing):
         directory.mkdir()
-        _fsync_path(directory.parent)
+        fsync_path(directory.parent)
 
 
 def _remove_leftovers(out: Path) -> None:
     """Delete what an interrupted save or prune left behind (the single-writer rule makes it safe)."""
     for entry in out.iterdir():
-        if entry.name.startswith(_TMP_PREFIX):
+        if entry.name.startswith(TMP_PREFIX):
             log.info("removing leftover %s", entry)
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
@@ -338,7 +312,7 @@ def _prune(out: Path, keep: int, newest: Path) -> None:
         if old == newest:
             continue
         # Rename first, so that a crash halfway through rmtree leaves no half-deleted step-* dir.
-        doomed = out / f"{_TMP_PREFIX}delete-{old.name}"
+        doomed = out / f"{TMP_PREFIX}delete-{old.name}"
         os.rename(old, doomed)
         shutil.rmtree(doomed)
         log.info("deleted old checkpoint %s", old)

@@ -67,6 +67,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tscale_p2p.atomic import atomic_directory, write_atomically
 from tscale_p2p.errors import UserError
 from tscale_p2p.progress import long_work
 
@@ -446,11 +447,18 @@ def _in_val(doc_key: str, val_fraction: float) -> bool:
 def _build_cache(target: Path, documents: Iterator[tuple[str, Iterable[bytes]]], val_fraction: float, what: str,
                  total_bytes: int | None) -> None:
     """Write the two splits into a temporary folder, then rename it to `target` in one step."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     started = time.monotonic()
+    try:
+        with atomic_directory(target) as tmp:
+            _write_cache(tmp, documents, val_fraction, what, total_bytes)
+    except OSError:  # another process finished the same corpus first: use theirs
+        if not _cache_is_complete(target):
+            raise
+    log.info("tokenized %s into %s in %.1f s", what, target, time.monotonic() - started)
+
+
+def _write_cache(tmp: Path, documents: Iterator[tuple[str, Iterable[bytes]]], val_fraction: float, what: str,
+                 total_bytes: int | None) -> None:
     files = {s: open(tmp / f"{s}.u8", "w+b") for s in ("train", "val")}
     try:
         starts = {s: array("q") for s in ("train", "val")}
@@ -465,24 +473,15 @@ def _build_cache(target: Path, documents: Iterator[tuple[str, Iterable[bytes]]],
                     progress.advance(len(chunk))
         _balance_splits(files, starts, sizes, val_fraction, what)
         for split, f in files.items():
-            f.flush()
-            os.fsync(f.fileno())
             f.close()
             np.save(tmp / f"{split}.docs.npy", np.frombuffer(starts[split], dtype=np.int64))
         meta = {"format": _CACHE_FORMAT, "source": what, "dtype": "uint8"}
         for split in ("train", "val"):
             meta[f"{split}_tokens"], meta[f"{split}_docs"] = sizes[split], len(starts[split])
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished the same corpus first: use theirs
-            if not _cache_is_complete(target):
-                raise
-        log.info("tokenized %s into %s in %.1f s", what, target, time.monotonic() - started)
     finally:
         for f in files.values():
             f.close()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _balance_splits(files: dict, starts: dict, sizes: dict, val_fraction: float, what: str) -> None:
@@ -598,8 +597,5 @@ def _largest_token(path: Path, tokens: np.ndarray, cache: Path) -> int:
         for i in range(0, len(tokens), chunk):
             largest = max(largest, int(tokens[i : i + chunk].max()))
             progress.advance(min(chunk, len(tokens) - i))
-    note.parent.mkdir(parents=True, exist_ok=True)
-    tmp = note.with_name(f".{note.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"max_token": largest}))
-    os.replace(tmp, note)
+    write_atomically(note, json.dumps({"max_token": largest}).encode())
     return largest

@@ -43,7 +43,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -51,6 +50,7 @@ import numba
 import numpy as np
 import torch
 
+from tscale_p2p.atomic import atomic_directory
 from tscale_p2p.data import WindowSampler
 from tscale_p2p.errors import UserError
 from tscale_p2p.tokenizer import tokenizer_id
@@ -122,12 +122,8 @@ def build_index(corpus, out: str | os.PathLike, *, max_match: int = MAX_MATCH) -
     n = len(tokens)
     if n < 2:
         raise UserError(f"--data {corpus.source!r}: its train split has {n} tokens, too few to index")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     started = time.monotonic()
-    try:
+    with atomic_directory(out) as tmp:  # replaces an empty `out`
         token_dtype = np.dtype(tokens.dtype).newbyteorder("<")
         stored = np.memmap(tmp / TOKENS_FILE, dtype=token_dtype, mode="w+", shape=(n,))
         digest = hashlib.sha256()
@@ -166,18 +162,7 @@ def build_index(corpus, out: str | os.PathLike, *, max_match: int = MAX_MATCH) -
         }
         del stored, suffixes, answer_tokens, answer_lengths
         manifest["files"] = {name: (tmp / name).stat().st_size for name in _DATA_FILES}
-        for name in _DATA_FILES:
-            with open(tmp / name, "rb+") as handle:
-                os.fsync(handle.fileno())
-        with open(tmp / MANIFEST, "w") as handle:
-            json.dump(manifest, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     log.info("indexed %s tokens of %s into %s in %.1f s", f"{n:,}", corpus.source, out, time.monotonic() - started)
     return out
 

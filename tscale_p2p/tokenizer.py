@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tscale_p2p.atomic import atomic_directory, write_atomically
 from tscale_p2p.data import ByteTokenizer, Corpus, TokenStream, default_cache_dir, slow_job
 from tscale_p2p.errors import UserError
 from tscale_p2p.progress import long_work
@@ -358,39 +359,30 @@ def _token_cache_is_complete(target: Path) -> bool:
 
 def _build_token_cache(target: Path, corpus: Corpus, tokenizer: BPETokenizer) -> None:
     """Encode both splits into a temporary folder, then rename it to `target` in one step."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     started = time.monotonic()
     total = len(corpus.train) + len(corpus.val)
     meta = {"format": _CACHE_FORMAT, "source": corpus.source, "tokenizer_sha256": tokenizer.sha256,
             "dtype": tokenizer.id_dtype.name}
     try:
-        with slow_job(f"tokenizing {corpus.source} with {tokenizer.describe()}", total) as progress:
+        with atomic_directory(target) as tmp:
+            with slow_job(f"tokenizing {corpus.source} with {tokenizer.describe()}", total) as progress:
+                for split in ("train", "val"):
+                    stream = corpus.stream(split)
+                    with open(tmp / f"{split}.ids", "wb") as out:
+                        count, starts = _encode_stream(stream, tokenizer, out, progress)
+                    np.save(tmp / f"{split}.docs.npy", starts)
+                    meta[f"{split}_tokens"], meta[f"{split}_docs"] = count, len(starts)
+                    meta[f"{split}_bytes"] = len(stream)
             for split in ("train", "val"):
-                stream = corpus.stream(split)
-                with open(tmp / f"{split}.ids", "wb") as out:
-                    count, starts = _encode_stream(stream, tokenizer, out, progress)
-                    out.flush()
-                    os.fsync(out.fileno())
-                np.save(tmp / f"{split}.docs.npy", starts)
-                meta[f"{split}_tokens"], meta[f"{split}_docs"] = count, len(starts)
-                meta[f"{split}_bytes"] = len(stream)
-        for split in ("train", "val"):
-            if meta[f"{split}_tokens"] == 0:
-                raise UserError(f"--data {corpus.source!r}: its {split} split has no tokens")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished the same cache first: use theirs
-            if not _token_cache_is_complete(target):
-                raise
-        seconds = time.monotonic() - started
-        log.info("tokenized %s (%.1f MB) with %s in %.1f s (%.2f MB/s) into %s", corpus.source, total / 1e6,
-                 tokenizer.describe(), seconds, total / 1e6 / max(seconds, 1e-9), target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                if meta[f"{split}_tokens"] == 0:
+                    raise UserError(f"--data {corpus.source!r}: its {split} split has no tokens")
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    except OSError:  # another process finished the same cache first: use theirs
+        if not _token_cache_is_complete(target):
+            raise
+    seconds = time.monotonic() - started
+    log.info("tokenized %s (%.1f MB) with %s in %.1f s (%.2f MB/s) into %s", corpus.source, total / 1e6,
+             tokenizer.describe(), seconds, total / 1e6 / max(seconds, 1e-9), target)
 
 
 def _encode_stream(stream: TokenStream, tokenizer: BPETokenizer, out, progress) -> tuple[int, np.ndarray]:
@@ -565,12 +557,3 @@ def _key(*parts) -> str:
 def _cache_root(cache_dir) -> Path:
     return (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "data"
 
-
-def write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
