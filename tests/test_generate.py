@@ -13,6 +13,8 @@ from tscale_p2p.checkpoint import save_checkpoint
 from tscale_p2p.errors import UserError
 from tscale_p2p.generate import (
     GenerationEngine,
+    PromptFill,
+    RingKVCache,
     SamplingParams,
     TextStream,
     generate,
@@ -61,6 +63,24 @@ def test_greedy_with_cache_equals_recomputation_through_the_whole_context(schedu
         assert len(seq.prompt) + len(seq.tokens) == model.cfg.context + 1
         assert seq.finish_reason == "length"
         assert seq.tokens == greedy_by_recomputation(model, seq.prompt, len(seq.tokens))
+
+
+@torch.no_grad()
+def test_the_models_own_forward_with_a_cache_gives_the_logits_of_the_whole_sequence():
+    """Generation runs the model's forward: a prompt through `PromptFill`, then one token at a time at its
+    position through the ring caches, past every window, reads what the full forward reads at that position."""
+    model = tiny_model()
+    sequence = torch.randint(0, 256, (1, model.cfg.context))
+    full = model(sequence)[0]
+    caches = [RingKVCache(1, model.cfg.heads, model.cfg.head_dim, window, torch.float32, "cpu")
+              for window in model.cfg.layer_windows()]
+    prompt = 5
+    rows, lengths = torch.tensor([0]), torch.tensor([prompt])
+    prefill = model(sequence[:, :prompt], caches=[PromptFill(cache, rows, lengths) for cache in caches])[0]
+    torch.testing.assert_close(prefill, full[:prompt])
+    for position in range(prompt, model.cfg.context):
+        step = model(sequence[:, position : position + 1], positions=torch.tensor([[position]]), caches=caches)
+        torch.testing.assert_close(step[0, 0], full[position], atol=1e-5, rtol=1e-4)
 
 
 def test_a_freed_slot_is_reused_without_leftovers_of_its_last_sequence():
