@@ -66,7 +66,7 @@ def tokenizer_cost(data: str, spec: str) -> dict:
 def train_at_budget(data: str, spec: str, args, budget: float | None) -> dict:
     """Train the fixed-dims model on `data` tokenized by `spec`; with `budget` (FLOPs), as many steps as fit."""
     device = torch.device(args.device)
-    corpus = apply_tokenizer(load_corpus(data), spec, seed=0, device_type=device.type)
+    corpus = apply_tokenizer(load_corpus(data), spec, seed=0)
     model_cfg = ModelConfig.from_dims(args.model, vocab_size=corpus.vocab_size)
     flops_per_step = model_cfg.flops_per_token(model_cfg.context) * args.batch_size * model_cfg.context
     steps = args.steps if budget is None else max(1, int(budget // flops_per_step))

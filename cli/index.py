@@ -37,7 +37,7 @@ def run_index_build(args: argparse.Namespace) -> int:
 
     from tscale_p2p.tokenizer import apply_tokenizer
 
-    corpus = apply_tokenizer(load_corpus(args.data), args.tokenizer, seed=args.seed, device_type="cpu")
+    corpus = apply_tokenizer(load_corpus(args.data), args.tokenizer, seed=args.seed)
     try:
         build_index(corpus, args.out)  # logs where the index went
     except KeyboardInterrupt:

@@ -48,7 +48,7 @@ from tscale_p2p.peers.run_tokenizer import check_explicit_tokenizer, run_tokeniz
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
 from tscale_p2p.progress import long_work
-from tscale_p2p.solo import GracefulStop, model_config_for, prepare_trainer
+from tscale_p2p.solo import GracefulStop, model_config_for, planned_tokens, prepare_trainer
 from tscale_p2p.tokenizer import apply_tokenizer, checkpoint_tokenizer, describe, describe_id, tokenizer_id
 from tscale_p2p.device import resolve_device
 
@@ -292,7 +292,8 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
     else:
         of_start = {} if start is None else {"saved": checkpoint_tokenizer(
             start.path, start.meta, int(start.model_config.get("vocab_size", 0)))}
-        corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, device_type=device.type, **of_start)
+        corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, planned_tokens=planned_tokens(cfg, device.type),
+                                 **of_start)
         save_run_tokenizer(cfg.out, corpus.tokenizer)
         run = RunConfig.from_settings(
             cfg,

@@ -19,7 +19,11 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.errors import UserError
 from tscale_p2p.generate import GenerationEngine, load_model
 from tscale_p2p.serve import CompletionServer
-from tscale_p2p.tokenizer import BPETokenizer, _UNICODE_TO_BYTE, apply_tokenizer, train_bpe
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.solo import planned_tokens
+from tscale_p2p.tokenizer import (
+    DEFAULT_BPE, MAX_DEFAULT_BPE_PASSES, BPETokenizer, _UNICODE_TO_BYTE, apply_tokenizer, default_spec, train_bpe,
+)
 
 WORDS = "the swarm trains one model together while every peer keeps its own data and pace".split()
 TINY = ["--model", "e32h2d2w64", "--batch-size", "4", "--device", "cpu", "--save-every", "0", "--log-every", "5"]
@@ -59,7 +63,7 @@ def test_the_byte_level_alphabet_is_the_librarys():
 
 def test_a_trained_bpe_round_trips_real_files_and_its_token_cache_decodes_to_the_source(source_folder, cache):
     corpus = load_corpus(str(source_folder))
-    bpe = apply_tokenizer(corpus, "bpe:400", seed=0, device_type="cpu")
+    bpe = apply_tokenizer(corpus, "bpe:400", seed=0)
     tokenizer = bpe.tokenizer
     assert isinstance(tokenizer, BPETokenizer) and tokenizer.vocab_size == bpe.vocab_size == 400
     for text in (*(p.read_text() for p in sorted(source_folder.iterdir())), UNICODE, "", " x"):
@@ -76,7 +80,7 @@ def test_a_trained_bpe_round_trips_real_files_and_its_token_cache_decodes_to_the
     assert bpe.bits_per_byte(2.0) == pytest.approx(2.0 / np.log(2) / bpe.bytes_per_token)
     # Loading again reuses the cache: same files, nothing retrained.
     before = sorted(p.name for p in (cache / "data").iterdir())
-    again = apply_tokenizer(load_corpus(str(source_folder)), "bpe:400", seed=0, device_type="cpu")
+    again = apply_tokenizer(load_corpus(str(source_folder)), "bpe:400", seed=0)
     assert again.tokenizer.sha256 == tokenizer.sha256 and np.array_equal(again.train.tokens, bpe.train.tokens)
     assert sorted(p.name for p in (cache / "data").iterdir()) == before
 
@@ -116,6 +120,26 @@ def test_a_checkpoint_carries_its_tokenizer_resumes_with_it_and_refuses_another(
     (saved / "tokenizer.json").write_text((saved / "tokenizer.json").read_text() + "\n")
     with pytest.raises(UserError, match="tokenizer.json"):
         load_model(saved, device="cpu")
+
+
+def test_the_default_is_bpe_unless_the_run_passes_over_its_data_many_times(text_file, tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text(text_file.read_text() * 3)  # ~570 KB: over the 256 KiB a default BPE needs
+    corpus = load_corpus(str(big))
+    split = len(corpus.train)
+    assert default_spec(corpus, planned_tokens=split) == DEFAULT_BPE  # ~3.4 passes in BPE tokens
+    assert default_spec(corpus, planned_tokens=split * MAX_DEFAULT_BPE_PASSES) == "byte"  # ~54 passes
+    assert default_spec(corpus, planned_tokens=None) == "byte"
+    assert default_spec(load_corpus(str(text_file)), planned_tokens=1000) == "byte"  # ~190 KB: too small
+    # The budget is the run's: steps x batch x accumulation x context (the model's when --context is not given).
+    cfg = TrainConfig(data=str(big), model="e32h2d2w64", steps=10, batch_size=4, grad_accum=2)
+    assert planned_tokens(cfg, "cpu") == 10 * 4 * 2 * 64
+    assert planned_tokens(TrainConfig(data=str(big), steps=10, index=str(tmp_path / "idx")), "cpu") is None
+    # `train` with no --tokenizer trains on the default BPE, and its checkpoint carries it.
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(big), "--out", str(out), *TINY, "--steps", "2"]) == 0
+    meta = json.loads((out / "step-00000002" / "meta.json").read_text())
+    assert meta["meta"]["tokenizer"]["kind"] == "bpe" and meta["model_config"]["vocab_size"] > 256
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ class TrainConfig:
     """Everything `tscale-peer train` can be told; each field is also a flag and a TOML key."""
 
     data: str = field(default="stdlib", metadata={"help": "training text: stdlib, a file, a folder, a .bin, or hf:NAME"})
-    tokenizer: str | None = field(default=None, metadata={"help": "byte, bpe:VOCAB (a byte-level BPE trained on --data's train split, cached) or a tokenizer.json (with a .bin: the tokenizer that made it) (default: the checkpoint's or the swarm's, else byte)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "byte, bpe:VOCAB (a byte-level BPE trained on --data's train split, cached) or a tokenizer.json (with a .bin: the tokenizer that made it) (default: the checkpoint's or the swarm's, else bpe:8192 for a run that passes over --data's train split at most 16 times, byte beyond that, for a split under 256 KiB, or with --index)"})
     index: str | None = field(default=None, metadata={"help": "an index folder of --data's train split (tscale-peer index build): the model also reads its longest earlier match of each context"})
     model: str | None = field(default=None, metadata={"help": "model dims such as e384h6d6w256 (default: e128h4d4w256 on CPU, e768h12d12w1024 on GPU)"})
     window_schedule: str = field(default="tscale", metadata={"choices": WINDOW_SCHEDULES, "help": "attention windows: tscale (short/full alternation) or dense"})

@@ -48,6 +48,20 @@ class GracefulStop:
             signal.signal(signum, handler)
 
 
+def default_dims(cfg: TrainConfig, device_type: str) -> str:
+    """--model, or the device's default model."""
+    return cfg.model or (DEFAULT_GPU_MODEL if device_type == "cuda" else DEFAULT_CPU_MODEL)
+
+
+def planned_tokens(cfg: TrainConfig, device_type: str) -> int | None:
+    """Tokens this process trains on over the run, the default tokenizer's budget; None with --index, whose
+    tokens are fixed by how the index was built (`index build`'s default is byte)."""
+    if cfg.index is not None:
+        return None
+    context = cfg.context or ModelConfig.from_dims(default_dims(cfg, device_type)).context
+    return cfg.steps * cfg.batch_size * cfg.grad_accum * context
+
+
 def model_config_for(
     cfg: TrainConfig, device_type: str, vocab_size: int, saved: dict | None = None
 ) -> ModelConfig:
@@ -76,8 +90,7 @@ def model_config_for(
                 f"{model_cfg.vocab_size}"
             )
         return model_cfg
-    dims = cfg.model or (DEFAULT_GPU_MODEL if device_type == "cuda" else DEFAULT_CPU_MODEL)
-    model_cfg = ModelConfig.from_dims(dims, **overrides)
+    model_cfg = ModelConfig.from_dims(default_dims(cfg, device_type), **overrides)
     if cfg.context is not None and cfg.context > model_cfg.context:
         raise UserError(f"--context {cfg.context} is longer than the model's context w{model_cfg.context}")
     return model_cfg
@@ -96,7 +109,8 @@ def prepare_trainer(cfg: TrainConfig, make_trainer=Trainer, device: torch.device
     corpus = load_corpus(cfg.data)
     saved = {} if checkpoint is None else {"saved": checkpoint_tokenizer(
         checkpoint.path, checkpoint.meta, int(checkpoint.model_config.get("vocab_size", 0)))}
-    corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, device_type=device.type, **saved)
+    corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, planned_tokens=planned_tokens(cfg, device.type),
+                             **saved)
     log.info("data: %s", corpus.description)
     model_cfg = model_config_for(cfg, device.type, corpus.vocab_size, checkpoint.model_config if checkpoint else None)
     trainer = make_trainer(model_cfg, cfg, corpus, device)

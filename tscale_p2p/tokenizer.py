@@ -47,10 +47,14 @@ from tscale_p2p.progress import long_work
 
 log = logging.getLogger(__name__)
 
-# The default per device type. benchmarks/tokenizer.py (benchmarks/RESULTS.md) measured bpe:8192 lowest in bits per
-# byte at equal FLOPs on the CPU model, over a short budget; byte stays the default until the tests written for byte
-# tokens move with it, and until the GPU model is measured.
-DEFAULT_TOKENIZER = {"cpu": "byte", "cuda": "byte"}
+# The default: bpe:8192 unless the run would pass over its corpus many times. benchmarks/tokenizer.py measured
+# bpe:8192 lowest in bits per byte at equal FLOPs on the stdlib corpus (CPU and GPU models, 1-4 passes) and on tiny
+# Shakespeare at ~1.5 passes, and byte lowest on tiny Shakespeare at ~39 passes, where the GPU model overfits the
+# corpus's few BPE tokens (benchmarks/RESULTS.md, "The tokenizer on the GPU default model").
+DEFAULT_BPE = "bpe:8192"
+MAX_DEFAULT_BPE_PASSES = 16
+MIN_DEFAULT_BPE_BYTES = 256 << 10  # a smaller train split is too little text to learn 8192 tokens from
+_ESTIMATED_BPE_BYTES_PER_TOKEN = 3.4  # bpe:8192 measured 3.2 (tiny Shakespeare) to 3.6 (stdlib)
 TOKENIZER_FILE = "tokenizer.json"
 TRAIN_SAMPLE_BYTES = 32 << 20  # a BPE learns its merges from at most this much of the train split
 MAX_VOCAB = 2**32  # ids are stored as uint32 at most
@@ -194,23 +198,37 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     return "path", None
 
 
+def default_spec(corpus: Corpus, planned_tokens: int | None) -> str:
+    """The --tokenizer a text corpus gets when none is named: DEFAULT_BPE for a run of `planned_tokens` tokens
+    that passes over the corpus (counted in estimated BPE tokens) at most MAX_DEFAULT_BPE_PASSES times, else byte
+    (also with no planned budget, or a train split under MIN_DEFAULT_BPE_BYTES)."""
+    train_bytes = len(corpus.train)
+    if planned_tokens is None or train_bytes < MIN_DEFAULT_BPE_BYTES:
+        return "byte"
+    passes = planned_tokens * _ESTIMATED_BPE_BYTES_PER_TOKEN / train_bytes
+    spec = DEFAULT_BPE if passes <= MAX_DEFAULT_BPE_PASSES else "byte"
+    log.info("tokenizer: %s by default (the run passes over --data's train split ~%.1f times in %s tokens; "
+             "byte beyond %d)", spec, passes, DEFAULT_BPE, MAX_DEFAULT_BPE_PASSES)
+    return spec
+
+
 def apply_tokenizer(
     corpus: Corpus,
     spec: str | None,
     *,
     seed: int,
-    device_type: str,
+    planned_tokens: int | None = None,
     saved: Tokenizer | None | str = "none saved",
     cache_dir: str | os.PathLike | None = None,
 ) -> Corpus:
-    """`corpus` tokenized as `spec` says (None: `saved`, the checkpoint's, when there is one; else the device's
-    default). An explicit `spec` that differs from `saved` is refused, naming both."""
+    """`corpus` tokenized as `spec` says (None: `saved`, the checkpoint's, when there is one; else `default_spec`
+    for a run of `planned_tokens`). An explicit `spec` that differs from `saved` is refused, naming both."""
     has_saved = not isinstance(saved, str)
     if spec is None and has_saved:
         tokenizer = saved
     else:
         if spec is None:
-            spec = DEFAULT_TOKENIZER.get(device_type, "byte") if corpus.tokenizer is not None else None
+            spec = default_spec(corpus, planned_tokens) if corpus.tokenizer is not None else None
         tokenizer = corpus.tokenizer if spec is None else resolve(spec, corpus, seed=seed, cache_dir=cache_dir)
         if has_saved and tokenizer_id(tokenizer, corpus.vocab_size) != tokenizer_id(saved, corpus.vocab_size):
             raise UserError(
