@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+import numpy as np
 import torch
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -46,22 +47,42 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
 
 
 def _pack_torch(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    numel = x.numel()
+    flat = x.reshape(-1).float()
+    numel = flat.numel()
     n_bytes, n_blocks = packed_sizes(numel, block_size)
-    padded = torch.nn.functional.pad(x.reshape(-1).float(), (0, n_blocks * block_size - numel))
-    blocks = padded.view(n_blocks, block_size)
-    counts = torch.full((n_blocks,), float(block_size), device=x.device)
-    counts[-1] = numel - (n_blocks - 1) * block_size
-    scales = blocks.abs().sum(dim=1).div_(counts).to(torch.bfloat16)
-    negative = (blocks < 0).view(-1, 8).to(torch.uint8)
-    signs = (negative * _bit_weights(x.device)).sum(dim=1, dtype=torch.uint8)[:n_bytes]
-    return signs, scales
+    full = numel // block_size
+    scales = torch.empty(n_blocks, device=flat.device)
+    torch.linalg.vector_norm(flat[: full * block_size].view(full, block_size), ord=1, dim=1, out=scales[:full])
+    scales[:full].div_(block_size)
+    if full < n_blocks:  # the short last block: the mean over the values it has
+        scales[full:] = flat[full * block_size :].abs().mean()
+    return _pack_signs(flat < 0, n_bytes), scales.to(torch.bfloat16)
+
+
+def _pack_signs(negative: torch.Tensor, n_bytes: int) -> torch.Tensor:
+    if negative.device.type == "cpu":
+        # numpy's packbits is one pass in C; the torch form below takes five over the values (4x slower here)
+        return torch.from_numpy(np.packbits(negative.numpy(), bitorder="little"))
+    padded = torch.nn.functional.pad(negative, (0, n_bytes * 8 - negative.numel())).view(-1, 8).to(torch.uint8)
+    return (padded * _bit_weights(negative.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _sign_values(signs: torch.Tensor, numel: int) -> torch.Tensor:
+    """+1.0 / -1.0 (fp32) for each of the `numel` values whose signs `signs` packs."""
+    if signs.device.type == "cpu":
+        negative = torch.from_numpy(np.unpackbits(signs.numpy(), count=numel, bitorder="little"))
+    else:
+        negative = (signs.unsqueeze(1) & _bit_weights(signs.device)).ne(0).view(-1)[:numel]
+    return negative.float().mul_(-2).add_(1)
 
 
 def _unpack_torch(signs: torch.Tensor, scales: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
-    negative = (signs.unsqueeze(1) & _bit_weights(signs.device)).ne(0).view(-1)[:numel]
-    magnitudes = scales.float().repeat_interleave(block_size)[:numel]
-    return torch.where(negative, -magnitudes, magnitudes)
+    values = _sign_values(signs, numel)
+    full = numel // block_size
+    values[: full * block_size].view(full, block_size).mul_(scales[:full].float().unsqueeze(1))
+    if full < scales.numel():
+        values[full * block_size :].mul_(scales[full:].float())
+    return values
 
 
 def pack(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
