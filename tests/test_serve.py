@@ -392,3 +392,74 @@ def test_a_client_resetting_its_kept_alive_connection_leaves_no_traceback(server
     assert request(server, "GET", "/health")[0].status == 200
     time.sleep(0.2)  # the handler thread of the reset connection has long run by now
     assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'{"prompt": "hi", "top_k": ' + str(10**30).encode() + b"}", None),
+        (b'{"prompt": "hi", "seed": ' + str(10**30).encode() + b"}", None),
+        (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", None),  # beyond any int parser's digit limit
+        (b'{"prompt": "\\ud800"}', None),  # a lone surrogate: no UTF-8 text can hold it
+        (b'{"prompt": "\xff"}', None),  # not UTF-8
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),  # nested far beyond any recursion limit
+        (b'{"prompt": "hi", "temperature": NaN}', None),
+        (b'{"prompt": "hi", "stream_options": {"include_usage": 1}}', "stream_options"),
+        (b'{"prompt": ["ok", 3]}', "prompt"),
+    ],
+    ids=["top_k-1e30", "seed-1e30", "max_tokens-5000-digits", "lone-surrogate", "not-utf8", "nested", "nan",
+         "include_usage-int", "prompt-list-with-int"],
+)
+def test_odd_bodies_get_a_json_error_and_the_server_keeps_serving(server, raw, param):
+    response, payload = request(server, "POST", "/v1/completions", raw=raw)
+    error = json.loads(payload)["error"]
+    assert response.status == 400 and error["param"] == param and error["message"]
+    assert len(error["message"]) < 300  # the bad value is quoted, not echoed whole
+    assert post(server, {"prompt": "still", "max_tokens": 2})[0] == 200
+
+
+def test_a_content_length_of_thousands_of_digits_gets_413(server):
+    connection = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+    connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Length", "9" * 5000)
+    connection.endheaders()
+    assert connection.getresponse().status == 413
+    connection.close()
+
+
+def test_a_bad_request_does_not_fail_the_one_in_flight(server):
+    """A top_k no tensor can hold used to reach the engine and fail the whole batch it joined."""
+    host, port = server.server_address[:2]
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    body = {"prompt": "long one", "max_tokens": 100, "temperature": 0, "stream": True}
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.read1(10)  # it is in the batch now
+    assert post(server, {"prompt": "bad", "top_k": 10**30})[0] == 400
+    streamed = events(b"data:" + response.read().split(b"data:", 1)[1])
+    connection.close()
+    assert streamed[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any("error" in event for event in streamed)
+
+
+@pytest.mark.timeout(120)
+def test_fifty_clients_arriving_at_once_are_all_answered(server):
+    """Fifty connections opened in the same instant: all are queued by the kernel and answered, none reset."""
+    clients = 50
+    ready = threading.Barrier(clients)
+    answers: list = [None] * clients
+
+    def client(i):
+        ready.wait()
+        try:
+            status, payload = post(server, {"prompt": f"client {i}", "max_tokens": 2, "temperature": 0})
+            answers[i] = status, payload["usage"]["completion_tokens"]
+        except OSError as error:
+            answers[i] = error
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [(200, 2)] * clients

@@ -64,17 +64,21 @@ class SamplingParams:
             raise UserError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise UserError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < _INT64_END:
+            raise UserError(f"top_k must be an integer >= 0 (0 = off) below 2**63, got {self.top_k!r}")
         if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise UserError(f"top_p must be in (0, 1], got {self.top_p!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise UserError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -_INT64_END <= self.seed < _INT64_END):
+            raise UserError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+
+
+_INT64_END = 2**63  # top_k lives in an int64 tensor and a seed must fit torch's generator, with room for seed + n
 
 
 def _is_number(value) -> bool:

@@ -8,8 +8,9 @@ the engine. Requests queue up in an inbox; before every decode step the worker m
 sequences as there are free slots into the batch (one prefill for all of them), so requests that arrive
 together share every decode step, and a new request joins a running batch at the next step.
 
-Bad requests get a 4xx JSON error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``;
-nothing a client sends can stop the server.
+Bad requests get a 4xx JSON error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``
+(bodies are checked by `tscale_p2p.serve_requests`); nothing a client sends can stop the server or fail
+another client's request.
 """
 
 from __future__ import annotations
@@ -21,146 +22,27 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from tscale_p2p.chat import TURN_STARTS, render_transcript
 from tscale_p2p.errors import UserError
-from tscale_p2p.generate import TOKENIZER, GenerationEngine, GenerationSequence, SamplingParams
+from tscale_p2p.generate import GenerationEngine, GenerationSequence
 from tscale_p2p.serve_metrics import ServerMetrics
+from tscale_p2p.serve_requests import (
+    CompletionRequest,
+    RequestError,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
-MAX_SEQUENCES_PER_REQUEST = 64
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# Fields of OpenAI's completion request that change the result and that we do not implement: refused
-# unless they hold their neutral value, rather than silently ignored.
-_UNSUPPORTED = {"logprobs": None, "suffix": None, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
-                "logit_bias": {}}
-# The same for /v1/chat/completions (OpenAI's chat requests have boolean logprobs, tools, formats; a tool_choice
-# without tools changes nothing, so it passes).
-_UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": None, "presence_penalty": 0, "frequency_penalty": 0,
-                     "logit_bias": {}, "tools": [], "functions": [], "response_format": {"type": "text"}}
-
-
-class RequestError(Exception):
-    """A request we refuse: HTTP status, message, and the offending parameter when there is one."""
-
-    def __init__(self, status: HTTPStatus, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-@dataclass
-class CompletionRequest:
-    """A validated ``/v1/completions`` or ``/v1/chat/completions`` body: choice i completes prompts[i // n]."""
-
-    prompts: list[str]
-    n: int
-    params: SamplingParams
-    stream: bool
-    echo: bool
-    chat: bool = False  # answer in the chat shape (messages and deltas instead of text)
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
-
-    def sequences(self, tokenizer=TOKENIZER) -> list[GenerationSequence]:
-        """One sequence per choice, its prompt in `tokenizer`'s tokens (the model's: usage counts those)."""
-        seqs = []
-        for prompt in self.prompts:
-            for j in range(self.n):
-                params = self.params
-                if params.seed is not None and j:  # n choices of one seeded request differ, reproducibly
-                    params = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
-                seqs.append(GenerationSequence(prompt, params, tokenizer))
-        return seqs
-
-
-def parse_completion_request(body: object, model_id: str) -> CompletionRequest:
-    """Check a decoded JSON body field by field; raise `RequestError` naming the first bad one."""
-    _check_body(body, model_id)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = prompt
-    else:
-        raise RequestError(HTTPStatus.BAD_REQUEST, "prompt must be a string or a non-empty list of strings", "prompt")
-    return _sampled(body, prompts, _UNSUPPORTED, DEFAULT_MAX_TOKENS, (), echo=_field(body, "echo", bool, False))
-
-
-def parse_chat_request(body: object, model_id: str, context: int) -> CompletionRequest:
-    """Check a decoded ``/v1/chat/completions`` body; its messages become one transcript prompt. Without
-    max_tokens (or its newer name max_completion_tokens) the reply may run to the model's `context`."""
-    _check_body(body, model_id)
-    try:
-        prompt = render_transcript(body.get("messages"))
-    except UserError as error:
-        raise RequestError(HTTPStatus.BAD_REQUEST, str(error), "messages") from None
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
-        body = {**body, "max_tokens": _field(body, "max_completion_tokens", int, None)}
-    return _sampled(body, [prompt], _UNSUPPORTED_CHAT, context, TURN_STARTS, echo=False, chat=True)
-
-
-def _check_body(body: object, model_id: str) -> None:
-    if not isinstance(body, dict):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_id:
-        raise RequestError(
-            HTTPStatus.NOT_FOUND, f"model {model!r} does not exist; this server has {model_id!r}", "model",
-            "model_not_found",
-        )
-
-
-def _sampled(body: dict, prompts: list[str], unsupported: dict, default_max_tokens: int, extra_stop: tuple,
-             echo: bool, chat: bool = False) -> CompletionRequest:
-    """The request for `prompts` with the sampling fields of `body` (the same for both endpoints)."""
-    for name, neutral in unsupported.items():
-        if body.get(name, neutral) not in (neutral, None):
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"{name} is not supported by this server", name)
-    n = _field(body, "n", int, 1)
-    if n < 1:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"n must be at least 1, got {n}", "n")
-    if n * len(prompts) > MAX_SEQUENCES_PER_REQUEST:
-        raise RequestError(
-            HTTPStatus.BAD_REQUEST,
-            f"{n * len(prompts)} completions in one request; at most {MAX_SEQUENCES_PER_REQUEST}", "n",
-        )
-    stop = body.get("stop")
-    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, (list, tuple)):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "stop must be a string or a list of strings", "stop")
-    try:
-        params = SamplingParams(
-            max_tokens=_field(body, "max_tokens", int, default_max_tokens),
-            temperature=_field(body, "temperature", float, 1.0),
-            top_k=_field(body, "top_k", int, 0),
-            top_p=_field(body, "top_p", float, 1.0),
-            seed=_field(body, "seed", int, None),
-            stop=tuple(stop) + extra_stop,
-        )
-    except UserError as error:
-        raise RequestError(HTTPStatus.BAD_REQUEST, str(error)) from None
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "stream_options must be an object", "stream_options")
-    return CompletionRequest(
-        prompts=prompts, n=n, params=params, stream=_field(body, "stream", bool, False), echo=echo, chat=chat,
-        include_usage=_field(stream_options, "include_usage", bool, False),
-    )
-
-
-def _field(body: dict, name: str, kind: type, default):
-    value = body.get(name)
-    if value is None:
-        return default
-    accepted = (int, float) if kind is float else (kind,)
-    if isinstance(value, bool) is not (kind is bool) or not isinstance(value, accepted):
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"{name} must be {kind.__name__}, got {value!r}", name)
-    return value
+# Connections the kernel queues while the serving thread is busy starting handler threads: socketserver's
+# default of 5 resets the rest of a burst of clients (Linux caps it at net.core.somaxconn).
+LISTEN_BACKLOG = 1024
 
 
 class CompletionService:
@@ -249,6 +131,7 @@ class CompletionServer(ThreadingHTTPServer):
     """The HTTP front: `serve_forever()` in the foreground, or `start()` / `close()` around it."""
 
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, engine: GenerationEngine, model_id: str, host: str = "127.0.0.1", port: int = 8000):
         self.model_id = model_id
@@ -339,6 +222,10 @@ class _CompletionHandler(BaseHTTPRequestHandler):
         except UserError as error:
             param = "messages" if path == "/v1/chat/completions" else "prompt"  # what the engine found too long
             self._send_error(RequestError(HTTPStatus.BAD_REQUEST, str(error), param))
+            return
+        except Exception as error:  # a bug met by an odd request: answer it, never drop the connection
+            log.exception("cannot handle POST %s", self.path)
+            self._send_error(RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {error}"))
             return
         outbox = self.server.service.submit(seqs)
         kind = "chat.completion" if request.chat else "text_completion"
@@ -438,19 +325,16 @@ class _CompletionHandler(BaseHTTPRequestHandler):
         if length is None:
             self.close_connection = True
             raise RequestError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
-        if not length.isdigit():
+        if not (length.isascii() and length.isdigit()):
             self.close_connection = True
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length!r}")
-        if int(length) > MAX_BODY_BYTES:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {length[:40]!r}")
+        if len(length) > 18 or int(length) > MAX_BODY_BYTES:  # 18 digits: int() stays cheap
             self.close_connection = True
             raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body over {MAX_BODY_BYTES} bytes")
         return self.rfile.read(int(length))
 
     def _read_json(self) -> object:
-        try:
-            return json.loads(self._read_body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {error}") from None
+        return parse_json(self._read_body())
 
     def _send_error(self, error: RequestError) -> None:
         kind = "invalid_request_error" if error.status < 500 else "server_error"
