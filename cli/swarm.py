@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from tscale_p2p.cli import add_dataclass_flags, train_config_from_args
@@ -109,6 +109,7 @@ def join_inputs(args: argparse.Namespace):
     """(TrainConfig, explicit settings, JoinOptions) for `peers.join.join` from parsed `join` flags; raises
     UserError for bad values. The dashboard uses it too, to run `join` in a worker thread with its status."""
     from tscale_p2p.peers.join import JoinOptions
+    from tscale_p2p.peers.metrics import check_public_name
     from tscale_p2p.peers.network import NetworkOptions, host_maddrs_for, parse_multiaddrs
     from tscale_p2p.peers.run_config import check_run_id
 
@@ -133,7 +134,7 @@ def join_inputs(args: argparse.Namespace):
     options = JoinOptions(
         network=network,
         run_id=run_id,
-        name=args.name,
+        name=check_public_name(args.name),
         inner_steps=args.inner_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
@@ -176,7 +177,8 @@ def run_peers(args: argparse.Namespace) -> int:
     finally:
         dht.shutdown()
     if args.json:
-        print(json.dumps([asdict(record) for record in records], indent=2))
+        # Records are checked finite on the way in; allow_nan=False keeps the output strict JSON regardless.
+        print(json.dumps([record.to_wire() for record in records], indent=2, allow_nan=False))
     else:
         print_peer_table(run_id, records)
     return 0
@@ -191,6 +193,7 @@ def print_peer_table(run_id: str, records, stdout=None) -> None:
     full peer ids and plain numbers) when stdout is a pipe or a file, where a table would be cut to 80 columns."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     stdout = stdout or sys.stdout
     if not stdout.isatty():
@@ -209,7 +212,7 @@ def print_peer_table(run_id: str, records, stdout=None) -> None:
         numeric = column in ("tok/s", "loss", "round", "step", "tokens", "dropped")
         table.add_column(column, justify="right" if numeric else "left")
     for row in _peer_rows(records, for_terminal=True):
-        table.add_row(*row)
+        table.add_row(*map(Text, row))  # Text, not markup: a peer named "[bold]" is shown as it is
     console.print(table)
 
 

@@ -14,9 +14,12 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
+from fake_peers import fake_record, fast_rsa_key, flood
 from tscale_p2p.cli import main
 from tscale_p2p.cli.swarm import PEER_COLUMNS, print_peer_table
-from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics, peer_records_key
+from tscale_p2p.errors import UserError
+from tscale_p2p.peers import metrics as metrics_module
+from tscale_p2p.peers.metrics import MAX_NAME_CHARS, PeerRecord, SwarmMetrics, check_public_name, peer_records_key
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -139,3 +142,85 @@ def test_peers_table_on_a_terminal_is_a_table(monkeypatch):
     header, row = [line for line in lines if "dropped" in line or "bob" in line]
     assert row.split("│")[header.split("┃").index(" dropped ")].strip() == "1"
     assert "…12345678" in row and "40,960" in row
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"loss": float("nan")}, {"tokens_per_s": float("inf")}, {"last_averaging": float("-inf")},
+        {"updated_at": float("nan")}, {"name": "x" * 10_000}, {"name": "\x1b[2J\x1b[31mred"}, {"device": "a\nb"},
+        {"peer_id": "12D3KooW" + "A" * 100}, {"step": -1}, {"bytes_sent": 2**64}, {"tokens_per_s": -5.0},
+        {"offload": 1}, {"loss": "2.5"},
+    ],
+    ids=lambda changes: next(iter(changes)) + "=" + repr(next(iter(changes.values())))[:12],
+)
+def test_peer_record_from_wire_refuses_non_finite_numbers_and_unbounded_values(changes):
+    wire = {**fake_record(1).to_wire(), **changes}
+    assert PeerRecord.from_wire(wire) is None
+
+
+def test_a_diverged_local_loss_is_published_as_none():
+    wire = fake_record(1, loss=float("nan")).to_wire()
+    assert wire["loss"] is None and PeerRecord.from_wire(wire) == fake_record(1, loss=None, updated_at=wire["updated_at"])
+
+
+def test_a_public_name_others_would_refuse_is_refused_at_the_command_line():
+    assert check_public_name("lab-h200") == "lab-h200" and check_public_name(None) is None
+    for bad in ("x" * (MAX_NAME_CHARS + 1), "tab\there"):
+        with pytest.raises(UserError, match="--name must be at most"):
+            check_public_name(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_hostile_records_are_dropped_and_peers_json_stays_valid_json(capsys, monkeypatch):
+    """Signed records with NaN, infinities, huge or control-character strings, absurd numbers or far-off times,
+    and well-formed but unsigned ones, from other peers: `peers --json` lists only the honest peers, as strict JSON,
+    and the table shows a name that looks like markup as it is."""
+    host = DHT(start=True, host_maddrs=LOOPBACK)
+    maddrs = [str(m) for m in host.get_visible_maddrs()]
+    now = time.time()
+    hostile = [
+        {"loss": float("nan")}, {"tokens_per_s": float("inf")}, {"name": "n" * 1000}, {"name": "\x1b]0;pwned\x07"},
+        {"bytes_received": 2**64 - 1}, {"updated_at": now + 10**9}, {"updated_at": now - 10**6}, {"extra": "field"},
+    ]
+    wires = [{**fake_record(i).to_wire(), **changes} for i, changes in enumerate(hostile)]
+    wires.append(fake_record(99, name="[/bold] mallory").to_wire())  # valid, and markup to rich
+    attacker = flood(maddrs, "run-h", wires, [fast_rsa_key() for _ in wires])
+    try:
+        SwarmMetrics(host, "run-h").publish(make_record(str(host.peer_id), "alice"))
+        unsigned = fake_record(100, name="unsigned").to_wire()
+        assert attacker.store(peer_records_key("run-h"), unsigned, time.time() + 60, subkey=b"no owner")
+        capsys.readouterr()
+        assert main(["peers", "--initial-peers", *maddrs, "--run-id", "run-h", "--json"]) == 0
+
+        def refuse(constant):
+            raise AssertionError(f"not strict JSON: {constant}")
+
+        records = json.loads(capsys.readouterr().out, parse_constant=refuse)
+        assert [record["name"] for record in records] == ["[/bold] mallory", "alice"]
+    finally:
+        attacker.shutdown()
+        host.shutdown()
+    monkeypatch.setenv("COLUMNS", "200")
+    terminal = _Terminal()
+    print_peer_table("run-h", [PeerRecord(**record) for record in records], stdout=terminal)
+    assert "[/bold] mallory" in terminal.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_flood_of_fake_peers_is_cut_to_the_freshest_records(monkeypatch):
+    monkeypatch.setattr(metrics_module, "MAX_PEER_RECORDS", 3)
+    host = DHT(start=True, host_maddrs=LOOPBACK)
+    maddrs = [str(m) for m in host.get_visible_maddrs()]
+    now = time.time()
+    wires = [fake_record(i, updated_at=now - 10 - i).to_wire() for i in range(6)]
+    attacker = flood(maddrs, "run-f", wires, [fast_rsa_key() for _ in wires])
+    try:
+        metrics = SwarmMetrics(host, "run-f")
+        metrics.publish(make_record(str(host.peer_id), "alice"))
+        assert [r.name for r in metrics.fetch()] == ["alice", "fake-0", "fake-1"]
+    finally:
+        attacker.shutdown()
+        host.shutdown()

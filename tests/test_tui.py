@@ -228,6 +228,21 @@ async def test_this_peer_is_highlighted_and_rows_show_the_record_fields():
 
 
 @pytest.mark.anyio
+async def test_numbers_that_are_not_finite_show_as_dashes():
+    """A record's cells never take the dashboard down (and the `join` it runs with): whatever a record holds is
+    drawn, a number that is not finite as a dash."""
+    odd = peer("12D3KooWOddOddOddOddOddOddOddOddOddOddOddOddOdd7q", "odd", tokens_per_s=math.inf, loss=math.nan,
+               bytes_sent=2**63 - 1, updated_at=math.nan)
+    app = quiet_dashboard(FakeSource(peers=[*PEERS, odd]))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot)
+        cells = {column.key: cell.plain for column, cell in
+                 zip(app.query_one(PeersTable).columns_shown, app.query_one(PeersTable).get_row(odd.peer_id))}
+        assert cells["tokens_per_s"] == cells["loss"] == cells["seen"] == "-"
+        assert cells["sent"] == "9.2e+18B"  # past the largest suffix, still short
+
+
+@pytest.mark.anyio
 async def test_wide_terminal_shows_every_record_field():
     app = quiet_dashboard(FakeSource())
     async with app.run_test(size=(160, 48)) as pilot:

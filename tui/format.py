@@ -1,6 +1,9 @@
-"""Short human-readable numbers for narrow table cells (`12.3k`, `1.2 GB`, `3m`)."""
+"""Short human-readable numbers for narrow table cells (`12.3k`, `1.2 GB`, `3m`). Each shows a value that is not
+a finite number as a dash: a cell must never take the dashboard down."""
 
 from __future__ import annotations
+
+import math
 
 from rich.filesize import pick_unit_and_suffix
 
@@ -9,6 +12,10 @@ _COUNT_SUFFIXES = ["", "k", "M", "G", "T", "P"]
 
 def count(value: float) -> str:
     """A count in at most six characters: 950, 12.3k, 4.56M."""
+    if not math.isfinite(value):
+        return "-"
+    if abs(value) >= 1000 ** len(_COUNT_SUFFIXES):  # beyond the largest suffix: keep the cell short anyway
+        return f"{value:.2g}"
     # Pick the unit from the rounded value so that 999_999 reads 1M, not 1000k.
     unit, suffix = pick_unit_and_suffix(int(float(f"{abs(value):.3g}")), _COUNT_SUFFIXES, 1000)
     if unit == 1:
@@ -24,6 +31,8 @@ def size(num_bytes: float) -> str:
 
 def duration(seconds: float) -> str:
     """A span of time in the largest unit that keeps it short: 0.4s, 12s, 3m05s, 2h10m."""
+    if not math.isfinite(seconds):
+        return "-"
     if seconds < 10:
         return f"{seconds:.1f}s"
     whole = int(seconds)
@@ -36,6 +45,8 @@ def duration(seconds: float) -> str:
 
 def age(seconds: float) -> str:
     """How long ago, coarsely: now, 12s, 4m, 3h, 2d."""
+    if not math.isfinite(seconds):
+        return "-"
     if seconds < 1:
         return "now"
     for limit, unit, letter in ((60, 1, "s"), (3600, 60, "m"), (86400, 3600, "h")):
@@ -46,4 +57,4 @@ def age(seconds: float) -> str:
 
 def loss(value: float | None) -> str:
     """A loss with three decimals, or a dash before the first step."""
-    return "-" if value is None or value != value else f"{value:.3f}"
+    return "-" if value is None or not math.isfinite(value) else f"{value:.3f}"

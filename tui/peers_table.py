@@ -77,7 +77,7 @@ _SENT = _number("sent", "sent", lambda r, now: fmt.size(r.bytes_sent), lambda r,
 _RECEIVED = _number("received", "recv", lambda r, now: fmt.size(r.bytes_received), lambda r, now: r.bytes_received)
 _VERSION = PeerColumn("version", "version", lambda r, now: r.version, lambda r, now: r.version)
 _SEEN = _number(  # the most recently seen first
-    "seen", "seen", lambda r, now: fmt.age(max(0.0, now - r.updated_at)), lambda r, now: now - r.updated_at, False
+    "seen", "seen", lambda r, now: fmt.age(now - r.updated_at), lambda r, now: now - r.updated_at, False
 )
 
 # Narrow terminals fold precision into the device column; wide ones add traffic, step and version.
