@@ -313,6 +313,14 @@ def test_corrupt_llmc_header_is_refused(tmp_path, kwargs, match):
     assert_refused(str(tmp_path / "data.bin"), tmp_path, f"data.bin.*{match}")
 
 
+@pytest.mark.parametrize("magic, version, dtype, bad_id", [(20240520, 1, np.uint16, 50257), (20240801, 7, np.uint32, 2**31)])
+def test_llmc_token_ids_outside_the_header_s_vocabulary_are_refused(tmp_path, magic, version, dtype, bad_id):
+    tokens = np.arange(200) % 50
+    tokens[150] = bad_id
+    llmc_file(tmp_path / "data.bin", tokens, magic=magic, version=version, dtype=dtype)
+    assert_refused(str(tmp_path / "data.bin"), tmp_path, f"data.bin.*token id {bad_id} is outside the vocabulary")
+
+
 def test_truncated_llmc_header_is_refused(tmp_path):
     (tmp_path / "data.bin").write_bytes(np.array([20240520, 1, 5], dtype="<i4").tobytes())
     assert_refused(str(tmp_path / "data.bin"), tmp_path, "data.bin.*header")

@@ -17,8 +17,9 @@ checkpoints intact and no partial ``step-*`` directory; the next save removes le
 entries. One writer per OUT directory.
 
 `load_checkpoint` refuses (with a one-line `UserError` naming the path and the problem) a checkpoint
-whose files do not match its manifest, whose model config differs from the expected one, or whose
-tensors do not fit the expected state dict. Loading never writes, moves or deletes anything.
+whose files do not match its manifest, whose manifest holds a field of the wrong type, whose model config
+differs from the expected one, whose tensors do not fit the expected state dict or hold NaN or infinity
+(`save_checkpoint` refuses to write those too). Loading never writes, moves or deletes anything.
 `resume_from` takes a run's OUT directory (newest valid checkpoint, corrupt ones skipped with a
 warning) or one checkpoint directory.
 """
@@ -34,14 +35,16 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tscale_p2p.atomic import TMP_PREFIX, atomic_directory, fsync_path
 from tscale_p2p.errors import UserError
+from tscale_p2p.schema import describe
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,57 @@ _HASH_CHUNK = 1 << 20
 
 class CorruptCheckpoint(UserError):
     """A checkpoint whose files do not match its manifest: an interrupted copy, truncation, bit rot."""
+
+
+class NonFiniteCheckpoint(UserError):
+    """Weights or optimizer state holding NaN or infinity: never written, never loaded."""
+
+
+# meta.json's shape. Its checksum only proves the file is whole, not that a tool or a person wrote sane values:
+# every field is checked before use.
+_Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+_FileName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")]  # no path, no ..
+
+
+class _FileEntry(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    bytes: int = Field(ge=0)
+    sha256: _Sha256
+
+
+class _ParamGroup(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # an optimizer's hyperparameters, whatever they are
+
+    params: list[Annotated[int, Field(ge=0)]]
+
+
+class _OptimizerSkeleton(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    state: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")], dict[str, Any]]
+    param_groups: list[_ParamGroup]
+
+
+class _Manifest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=())
+
+    format: Literal["tscale-p2p-checkpoint"]
+    format_version: int
+    step: int = Field(ge=0)
+    saved_model_config: dict[str, Any] = Field(alias="model_config")
+    meta: dict[str, Any]
+    optimizer: _OptimizerSkeleton | None
+    files: dict[_FileName, _FileEntry]
+    checksum: _Sha256
+
+    @model_validator(mode="after")
+    def _lists_its_tensor_files(self) -> "_Manifest":
+        needed = [MODEL_FILE] + ([OPTIMIZER_FILE] if self.optimizer is not None else [])
+        missing = [name for name in needed if name not in self.files]
+        if missing:
+            raise ValueError(f"files lists no {', '.join(missing)}")
+        return self
 
 
 @dataclass
@@ -118,6 +172,8 @@ def save_checkpoint(
     optimizer_tensors, optimizer_skeleton = ({}, None)
     if optimizer_state is not None:
         optimizer_tensors, optimizer_skeleton = _flatten_optimizer_state(optimizer_state)
+    # A diverged run must not write a checkpoint: it would rotate a good one out.
+    _check_finite(f"not saving the checkpoint of step {step} (the run diverged)", model_state, optimizer_tensors)
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -170,11 +226,11 @@ def load_checkpoint(
     model_state = _read_tensors(path, MODEL_FILE)
     if expected_model_state is not None:
         _check_tensors_fit(path, model_state, expected_model_state)
-    optimizer_state = None
+    optimizer_state, optimizer_tensors = None, {}
     if manifest["optimizer"] is not None:
-        optimizer_state = _unflatten_optimizer_state(
-            path, _read_tensors(path, OPTIMIZER_FILE), manifest["optimizer"]
-        )
+        optimizer_tensors = _read_tensors(path, OPTIMIZER_FILE)
+        optimizer_state = _unflatten_optimizer_state(path, optimizer_tensors, manifest["optimizer"])
+    _check_finite(f"checkpoint {path}", model_state, optimizer_tensors)
     rng_state = _read_tensors(path, RNG_FILE) if RNG_FILE in manifest["files"] else {}
     return Checkpoint(
         path=path,
@@ -386,6 +442,10 @@ def _read_manifest(path: Path) -> dict:
     body = {key: value for key, value in manifest.items() if key != "checksum"}
     if manifest.get("checksum") != _sha256_bytes(_canonical(body)):
         raise CorruptCheckpoint(f"checkpoint {path}: {META_FILE} checksum mismatch (damaged)")
+    try:
+        _Manifest.model_validate(manifest)
+    except ValidationError as error:
+        raise CorruptCheckpoint(f"checkpoint {path}: {META_FILE} {describe(error)}") from None
     return manifest
 
 
@@ -470,6 +530,15 @@ def _check_tensors_fit(path: Path, saved: Mapping[str, torch.Tensor], expected: 
                 f"checkpoint {path}: weight {name} has shape {list(saved[name].shape)}, "
                 f"the model has {list(tensor.shape)}"
             )
+
+
+def _check_finite(context: str, model_state: Mapping[str, torch.Tensor],
+                  optimizer_tensors: Mapping[str, torch.Tensor]) -> None:
+    """NonFiniteCheckpoint naming the first weight or optimizer tensor that holds a NaN or an infinity."""
+    for kind, tensors in (("weight", model_state), ("optimizer state", optimizer_tensors)):
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise NonFiniteCheckpoint(f"{context}: {kind} {name} holds NaN or infinite values")
 
 
 def _check_optimizer_fits(path: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:

@@ -575,6 +575,11 @@ def _open_bin(src: str, path: Path, cache: Path) -> tuple[np.ndarray, int, str]:
             )
         tokens = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r",
                            offset=4 * LLMC_HEADER_INTS, shape=(count,))
+        largest = _largest_token(path, tokens, cache, limit=vocab)
+        if largest >= vocab:  # an embedding lookup would fail (or read garbage) in the middle of training
+            raise UserError(
+                f"token file {src!r}: token id {largest} is outside the vocabulary of {vocab} its llm.c header names"
+            )
         return tokens, vocab, "llm.c"
     if size % 2:
         raise UserError(f"token file {src!r} has an odd byte count ({size}); uint16 tokens take 2 bytes each")
@@ -582,14 +587,15 @@ def _open_bin(src: str, path: Path, cache: Path) -> tuple[np.ndarray, int, str]:
     return tokens, _largest_token(path, tokens, cache) + 1, "raw"
 
 
-def _largest_token(path: Path, tokens: np.ndarray, cache: Path) -> int:
-    """The largest token id in a raw file, scanned in chunks once and remembered in the cache."""
+def _largest_token(path: Path, tokens: np.ndarray, cache: Path, limit: int | None = None) -> int:
+    """The largest token id in a token file, scanned in chunks once and remembered in the cache (unless it is
+    `limit` or more: the file is about to be refused, and a refusal leaves nothing behind)."""
     st = path.stat()
     key = hashlib.sha256(f"{_CACHE_FORMAT}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{len(tokens)}".encode())
     note = cache / f"maxid-{key.hexdigest()[:20]}.json"
     try:
         return int(json.loads(note.read_text())["max_token"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     chunk = 1 << 24
     largest = 0
@@ -597,5 +603,7 @@ def _largest_token(path: Path, tokens: np.ndarray, cache: Path) -> int:
         for i in range(0, len(tokens), chunk):
             largest = max(largest, int(tokens[i : i + chunk].max()))
             progress.advance(min(chunk, len(tokens) - i))
+    if limit is not None and largest >= limit:
+        return largest
     write_atomically(note, json.dumps({"max_token": largest}).encode())
     return largest

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import math
 import re
+import typing
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from pydantic import ConfigDict, create_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tscale_p2p.errors import UserError
+from tscale_p2p.schema import validated
 
 WINDOW_SCHEDULES = ("tscale", "dense")
 MLP_KINDS = ("relu2", "swiglu")
@@ -103,10 +106,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
+        """The config saved by `to_dict` (in a checkpoint, a run config): unknown keys and values of the wrong
+        type are a UserError, as are values `__post_init__` refuses."""
+        if not isinstance(data, dict):
+            raise UserError(f"a model config must be a mapping, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"unknown model config keys: {', '.join(unknown)}")
+        validated(_model_config_fields(), data, "model config")
         return cls(**data)
 
     def with_(self, **changes) -> "ModelConfig":
@@ -160,6 +168,14 @@ class ModelConfig:
         return 6 * (self.parameter_count(embeddings=False) + self.vocab_size * self.width) + 3 * (
             self.attention_flops_per_token(context)
         )
+
+
+@lru_cache(maxsize=1)
+def _model_config_fields():
+    """A strict pydantic model of ModelConfig's fields (an int is an int: no "12", no true, no 1.5)."""
+    hints = typing.get_type_hints(ModelConfig)
+    return create_model("ModelConfigFields", __config__=ConfigDict(strict=True),
+                        **{f.name: (hints[f.name], f.default) for f in fields(ModelConfig)})
 
 
 class Rotary(nn.Module):

@@ -157,11 +157,14 @@ def run_training(trainer: Trainer, cfg: TrainConfig, team=Alone()) -> int:
             cfg.steps,
         )
     watch, tokens_since = Stopwatch(trainer), 0
+    diverged = Divergence(trainer.device, cfg.out)
     with GracefulStop() as stop:
         while trainer.step < cfg.steps and not team.should_stop(stop.requested):
             stats = trainer.local_step()
+            diverged.note(stats.loss)
             tokens_since += stats.tokens
             if stats.step % cfg.log_every == 0 or stats.step == cfg.steps:
+                diverged.check(stats.step)
                 loss = team.mean_loss(stats.loss)
                 rate, mfu = trainer.throughput(tokens_since, watch.lap())
                 tokens_since = 0
@@ -180,13 +183,35 @@ def run_training(trainer: Trainer, cfg: TrainConfig, team=Alone()) -> int:
             if cfg.eval_every and stats.step % cfg.eval_every == 0 and stats.step < cfg.steps:
                 report_eval(trainer)
             if cfg.save_every and stats.step % cfg.save_every == 0 and stats.step < cfg.steps:
+                diverged.check(stats.step)
                 trainer.save(cfg.out)
         stopped = team.should_stop(stop.requested)
+    diverged.check(trainer.step)
     if team.leader:
         if not stopped:
             report_eval(trainer)
         trainer.save(cfg.out)
     return 0
+
+
+class Divergence:
+    """Whether any training loss so far was NaN or infinite. Noted on the device, step by step (no wait for the
+    GPU); checked where the loop waits anyway (a log line, a checkpoint), so a diverged run stops before it
+    writes a checkpoint that would rotate a good one out."""
+
+    def __init__(self, device: torch.device, out: str) -> None:
+        self.seen = torch.zeros((), dtype=torch.bool, device=device)
+        self.out = out
+
+    def note(self, loss: torch.Tensor) -> None:
+        self.seen |= ~torch.isfinite(loss.detach())
+
+    def check(self, step: int) -> None:
+        if bool(self.seen):
+            raise UserError(
+                f"the training loss is no longer a finite number by step {step}: the run diverged; stopped without "
+                f"saving it (lower --lr, or raise --warmup, then --resume from the last checkpoint in {self.out})"
+            )
 
 
 def report_eval(trainer: Trainer) -> None:

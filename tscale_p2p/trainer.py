@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 
 from tscale_p2p.checkpoint import Checkpoint, capture_rng_state, restore_rng_state, save_checkpoint
 from tscale_p2p.clipping import clip_in_optimizers
@@ -23,6 +24,7 @@ from tscale_p2p.config import TrainConfig
 from tscale_p2p.device import choose_precision
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer
+from tscale_p2p.schema import validated
 from tscale_p2p.tokenizer import checkpoint_entry
 
 log = logging.getLogger(__name__)
@@ -285,10 +287,11 @@ class Trainer:
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue from `checkpoint`: weights, optimizer, RNG and data position."""
+        place = validated(_ResumePlace, checkpoint.meta, f"checkpoint {checkpoint.path}: meta.json meta")
         self.start_from(checkpoint)
         restore_rng_state(checkpoint.rng_state)
-        self.tokens_seen = int(checkpoint.meta["tokens_seen"])
-        self.train_batches.load_state_dict(checkpoint.meta["data"])
+        self.tokens_seen = place.tokens_seen
+        self.train_batches.load_state_dict(place.data.model_dump())
 
     def start_from(self, checkpoint: Checkpoint) -> None:
         """Take `checkpoint`'s weights, optimizer state and place in the schedule, but keep this trainer's own
@@ -301,6 +304,22 @@ class Trainer:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class _SamplerPlace(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    seed: int
+    batches_drawn: int = Field(ge=0)
+
+
+class _ResumePlace(BaseModel):
+    """Where `Trainer.save` records the run had got to (its checkpoint's meta), checked before a resume trusts it."""
+
+    model_config = ConfigDict(strict=True, extra="allow")  # the tokenizer entry is checked where it is read
+
+    tokens_seen: int = Field(ge=0)
+    data: _SamplerPlace
 
 
 class Stopwatch:
