@@ -190,7 +190,7 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], b
                                   "/ip4/127.0.0.1/tcp/0"], stdout=open(bootstrap_log, "wb"), stderr=subprocess.STDOUT,
                                  start_new_session=True)
     flags = [
-        "--data", args.data, "--device", args.device, "--no-compile", "--batch-size", str(args.batch_size),
+        "--data", args.data, "--tokenizer", "byte", "--device", args.device, "--no-compile", "--batch-size", str(args.batch_size),
         "--max-steps", str(args.steps),
         "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time", str(args.matchmaking_time),
         "--averaging-timeout", "30", "--eval-every", "0", "--save-every", "0", "--log-every", "50", "--run-id", "bench",

@@ -247,7 +247,7 @@ def breakdown_columns(log: str) -> str:
 
 def run_swarm(args, work: Path) -> list[str]:
     common = [
-        "--data", args.data, "--device", "cpu", "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
+        "--data", args.data, "--tokenizer", "byte", "--device", "cpu", "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
         "--matchmaking-time", str(args.matchmaking_time), "--averaging-timeout", "60", "--eval-every", "0",
         "--save-every", "0", "--log-every", "50", "--run-id", "netem", "--min-peers", str(args.peers),
     ]

@@ -104,7 +104,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    common = ["--data", str(data), "--run-id", "rounds", "--model", args.model, "--batch-size", str(args.batch_size),
+    common = ["--data", str(data), "--tokenizer", "byte", "--run-id", "rounds", "--model", args.model, "--batch-size", str(args.batch_size),
               "--device", "cpu", "--inner-steps", str(args.inner_steps), "--matchmaking-time",
               str(args.matchmaking_time), "--save-every", "0", "--log-every", "50",
               "--steps", "10000000", "--no-tui", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]

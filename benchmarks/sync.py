@@ -65,7 +65,7 @@ def sent_bytes(rank: int | None) -> int:
 
 
 def train_flags(args, compression: str, steps: int, warmup: int, out: Path, evaluate: bool) -> list[str]:
-    return ["train", "--data", args.data, "--model", args.model, "--batch-size", str(args.batch_size),
+    return ["train", "--data", args.data, "--tokenizer", "byte", "--model", args.model, "--batch-size", str(args.batch_size),
             "--context", str(args.context), "--device", args.device, "--precision", args.precision,
             "--steps", str(steps), "--log-every", "1" if not evaluate else "25", "--eval-every", "0",
             "--eval-batches", str(args.eval_batches if evaluate else 1), "--save-every", "0", "--out", str(out),
