@@ -112,6 +112,21 @@ def test_two_ranks_equal_one_process_on_the_combined_batch_and_onebit_learns_lik
     assert "gradients exchanged with onebit" in jobs[1].err()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("compression", ["bf16", "onebit"])
+def test_two_gpus_train_over_nccl_and_learn(compression, corpus, tmp_path, jobs):
+    """One rank per GPU: NCCL, and for onebit the Triton pack; both learn as the CPU ranks do."""
+    on_gpu = [flag if flag != "cpu" else "cuda" for flag in TINY]
+    jobs.append(Job(tmp_path, "train", "--data", str(corpus), "--steps", "40", "--lr", "1e-2", "--warmup", "5",
+                    "--eval-every", "20", "--save-every", "0", *on_gpu, "--nproc-per-node", "2", "--out", compression,
+                    "--sync-compression", compression, "--sync-warmup-steps", "5", name=compression))
+    assert jobs[0].wait(400) == 0, jobs[0].err()[-3000:]
+    losses = val_losses(jobs[0].err())
+    assert len(losses) == 2 and losses[-1] < losses[0] < 5.5, losses
+    assert f"gradients exchanged with {compression}" in jobs[0].err()
+
+
 @pytest.mark.slow
 def test_ctrl_c_saves_once_stops_every_rank_and_resumes_on_another_world_size(corpus, tmp_path, jobs):
     job = Job(tmp_path, "train", "--data", str(corpus), "--out", "run", "--steps", "100000", "--eval-every", "0",
