@@ -185,7 +185,7 @@ def run_peers(args: argparse.Namespace) -> int:
 
 
 PEER_COLUMNS = ("name", "peer id", "device", "precision", "tok/s", "loss", "round", "step", "tokens", "sent",
-                "received", "last avg", "dropped", "version")
+                "received", "last avg", "dropped", "banned", "version")
 
 
 def print_peer_table(run_id: str, records, stdout=None) -> None:
@@ -209,7 +209,7 @@ def print_peer_table(run_id: str, records, stdout=None) -> None:
         return
     table = Table(title=f"run {run_id}: {len(records)} live peer(s)")
     for column in PEER_COLUMNS:
-        numeric = column in ("tok/s", "loss", "round", "step", "tokens", "dropped")
+        numeric = column in ("tok/s", "loss", "round", "step", "tokens", "dropped", "banned")
         table.add_column(column, justify="right" if numeric else "left")
     for row in _peer_rows(records, for_terminal=True):
         table.add_row(*map(Text, row))  # Text, not markup: a peer named "[bold]" is shown as it is
@@ -244,6 +244,7 @@ def _peer_rows(records, for_terminal: bool) -> list[tuple[str, ...]]:
             received,
             last,
             str(r.dropped_peers),
+            str(r.banned_peers),
             r.version,
         ))
     return rows

@@ -6,13 +6,14 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    (`OneBitCodec`) and keeps in `residual` what did not fit; the residual lives in shared memory so it
    survives from round to round across the process boundary. With `residual_carry < 1` only that share of
    it is carried into the next round (a damped residual: see the parameter).
-2. **Reduce, with validation.** hivemind's butterfly all-reduce makes each peer the reducer of one span.
-   A reducer decodes every contribution and drops the sender for the round if it is not a well-formed 1-bit
-   tensor of the expected shape, is not finite, carries a non-positive weight, or has a norm above
-   `max_norm_ratio` times the reducer's own part. Weights are the tokens each peer processed. Senders check
-   the averages they get back the same way (against the part they sent). A peer that trained on k times our
-   tokens moves its weights further, so its bound is k times higher (k capped at `TOKEN_ALLOWANCE_CAP`): a
-   peer that has just downloaded the state, a few steps into its round, must not refuse the group's average.
+2. **Reduce, robustly.** hivemind's butterfly all-reduce makes each peer the reducer of one span. A reducer
+   decodes every contribution and drops the sender for the round if it is not a well-formed 1-bit tensor of the
+   expected shape, is not finite, carries a non-positive weight, or has a norm above `max_norm_ratio` times the
+   reducer's own part (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`). What is left is not
+   averaged but aggregated robustly (peers/robust.py: CenteredClip, token weights capped at the group's median,
+   contributions far from the group's or colluding left out). Senders check each average they get back against
+   the part they sent (`_OneBitAllReduceRunner._check_reply`): one that could not come from an honest reducer
+   (-50x the average, or its opposite) fails that span.
 3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which
    differs per sender. Instead the reducer packs the mean once and sends the same bytes to everyone: the
    return trip is ~1 bit per value as well, and every peer of the group decodes the very same average.
@@ -22,6 +23,10 @@ One round, seen from a peer (all of it in the averager's child process; packing 
 A span whose reducer fails or sends something invalid contributes zero for that round (identically on every
 peer that lost it) and what each sender sent for it goes back into its residual; if the whole round fails,
 the sender's residual is rolled back. Either way nothing a sender owes is lost, only delayed.
+
+Groupmates whose parts or averages were refused are counted in a `PeerReputation` (peers/reputation.py); one
+refused in two rounds is banned for the run: its parts are ignored, its span is not asked for, and this peer
+neither leads nor follows it into a group (`banned_peers()`, `banned_count`).
 
 Usage: the asynchronous swarm loop (host process; `DelayedOuterStep` is in peers/outer.py)::
 
@@ -68,7 +73,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import BannedException
+from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
@@ -79,6 +84,8 @@ from hivemind.utils.mpfuture import MPFuture
 
 from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
 from tscale_p2p.peers.codec import ONEBIT_COMPRESSION_TYPE, OneBitCodec
+from tscale_p2p.peers.reputation import PeerReputation
+from tscale_p2p.peers.robust import high_median, robust_aggregate
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +93,12 @@ logger = logging.getLogger(__name__)
 # past a state download (few tokens, a tiny pseudo-gradient) keeps the group's average, while a peer claiming a
 # huge token count still cannot send more than this times max_norm_ratio our norm.
 TOKEN_ALLOWANCE_CAP = 10.0
+
+# A reducer's average of a span may be at most this times the norm of what we sent for it (times the median
+# groupmate's tokens over ours, where that is more): the robust aggregate lies among the honest contributions, so
+# it is no longer than the longest of them, but one peer's update can be several times shorter than the others'
+# at equal tokens (seen: 7.5x, on a tiny model a few steps into a round). A reducer sending -50x the average fails.
+REPLY_NORM_RATIO = 10.0
 
 _SENT, _RECEIVED, _VALUES_SENT, _VALUES_RECEIVED = 0, 1, 2, 3  # the averager's traffic counters
 
@@ -329,6 +342,8 @@ class SwarmAverager(DecentralizedAverager):
         self._reducer_residual = torch.zeros_like(self._flat).share_memory_()
         self._traffic = torch.zeros(4, dtype=torch.int64).share_memory_()  # bytes, values (sent, received)
         self._round_dropped = torch.zeros((), dtype=torch.int64).share_memory_()  # of the last all-reduce attempt
+        self._reputation = PeerReputation()  # lives in the averager process (a copy is forked there)
+        self._banned_count = torch.zeros((), dtype=torch.int64).share_memory_()  # its bans, for the host to read
         self._target_group_size = target_group_size
         self._round_group_size = torch.zeros((), dtype=torch.int64).share_memory_()  # the next step's; 0: none
         tensors = [view.view(t.shape) for view, t in zip(self._flat.split(sizes), template)]
@@ -511,6 +526,17 @@ class SwarmAverager(DecentralizedAverager):
                     raise ValueError(f"{name} residual shape {tuple(state[name].shape)} != {tuple(residual.shape)}")
                 residual.copy_(state[name])
 
+    def banned_peers(self) -> dict[str, str]:
+        """Peers this one has banned for the run (peer id -> the reason it was last rejected for)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_banned_peers", [], dict(future=future)))
+        return future.result()
+
+    @property
+    def banned_count(self) -> int:
+        """How many peers this one has banned for the run."""
+        return int(self._banned_count)
+
     def get_current_state(self):
         if self._state_source is None:
             raise RuntimeError("this averager has no state_source to share")
@@ -546,6 +572,7 @@ class SwarmAverager(DecentralizedAverager):
         # hivemind's leader starts the all-reduce early only when its group reaches target_group_size; with the
         # swarm's size unknown it would always wait out the matchmaking window. It has no per-step setting.
         self._matchmaking.target_group_size = int(self._round_group_size) or self._target_group_size
+        self._skip_banned_leaders()
         try:
             await super()._step(step=step, future_for_init=future_for_init)
         finally:
@@ -557,6 +584,42 @@ class SwarmAverager(DecentralizedAverager):
                 if not outgoing.cancelled() and outgoing.exception() is None:
                     self._undo_error_feedback(outgoing.result())
             self._step_finished.set()  # after the undo, which reads the pseudo-gradient buffers
+
+    async def _banned_peers(self, future: MPFuture) -> None:
+        future.set_result(dict(self._reputation.banned))
+
+    def _record_rejections(self, runner: "_OneBitAllReduceRunner") -> None:
+        rejected = {peer.to_base58(): why for peer, why in runner.rejected.items()}
+        if rejected:
+            self._reputation.record_round(rejected)
+            self._banned_count.fill_(len(self._reputation.banned))
+
+    def _is_banned(self, peer_id: PeerID) -> bool:
+        return self._reputation.is_banned(peer_id.to_base58())
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's, except that a peer this one has banned is refused (it then asks another leader)."""
+        if self._is_banned(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    def _skip_banned_leaders(self) -> None:
+        """Make matchmaking pass over banned peers when it looks for a leader to follow (hivemind 1.1.12 asks
+        each potential leader in turn through `Matchmaking._request_join_group`; None means "not this one")."""
+        matchmaking = self._matchmaking
+        if getattr(matchmaking, "_skips_banned_leaders", False):
+            return
+        request_join_group = matchmaking._request_join_group
+
+        async def request_unless_banned(leader: PeerID) -> Optional[GroupInfo]:
+            return None if self._is_banned(leader) else await request_join_group(leader)
+
+        matchmaking._request_join_group = request_unless_banned
+        matchmaking._skips_banned_leaders = True
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None):
         keep_tasks_until_done(asyncio.get_running_loop())  # a joining peer's first call, before any step
@@ -576,8 +639,9 @@ class SwarmAverager(DecentralizedAverager):
             self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
         sent = await self._outgoing
         try:
-            runner = _OneBitAllReduceRunner(
-                group_tokens=self._group_tokens(group_info),
+            runner = self._make_runner(
+                group_tokens=self._declared_tokens(group_info),
+                banned=frozenset(peer for peer in group_info.peer_ids if self._is_banned(peer)),
                 p2p=self._p2p,
                 servicer_type=type(self),
                 prefix=self.prefix,
@@ -595,6 +659,7 @@ class SwarmAverager(DecentralizedAverager):
                 averaged = [tensor async for tensor in runner]
             finally:
                 self._round_dropped.fill_(len(runner.dropped_peers))
+                self._record_rejections(runner)
         except BaseException:
             self._outgoing = None
             self._undo_error_feedback(sent)
@@ -604,6 +669,10 @@ class SwarmAverager(DecentralizedAverager):
             self._keep_residual_owed(sent, runner.lost_spans)
         for tensor, average in zip(tensors, averaged):
             tensor.copy_(average)
+
+    def _make_runner(self, **kwargs) -> "_OneBitAllReduceRunner":
+        """The all-reduce of one attempt (tests make attacking peers by overriding it)."""
+        return _OneBitAllReduceRunner(**kwargs)
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -629,16 +698,16 @@ class SwarmAverager(DecentralizedAverager):
         async for reply in runner.rpc_aggregate_part(achain(as_aiter(first), stream), context):
             yield reply
 
-    def _group_tokens(self, group_info: GroupInfo) -> float:
-        """The tokens the group declared when it formed (remote data: malformed entries count 0)."""
-        total = 0.0
+    def _declared_tokens(self, group_info: GroupInfo) -> list[float]:
+        """The tokens each groupmate declared when the group formed (remote data: malformed entries count 0)."""
+        declared = []
         for blob in group_info.gathered:
             try:
                 _, _, user_gathered = self.serializer.loads(blob)  # hivemind's (bandwidth, mode, user data)
-                total += _declared_tokens(self.serializer.loads(user_gathered))
+                declared.append(_declared_tokens(self.serializer.loads(user_gathered)))
             except Exception:  # noqa: BLE001  (anything a hostile groupmate could make the decoder raise)
-                continue
-        return total
+                declared.append(0.0)
+        return declared
 
     def _pack_with_error_feedback(self) -> torch.Tensor:
         """What this peer sends (flat): 1-bit `tensor + residual`, decoded; the residual keeps the difference.
@@ -686,14 +755,86 @@ class _ScheduledRound:
     traffic_before: tuple[int, ...]  # the averager's traffic counters when it was scheduled
 
 
+class _RobustPartReducer(TensorPartReducer):
+    """hivemind's reducer of one span, with the robust rule (peers/robust.py) instead of a running weighted sum.
+
+    A part's contributions are kept until every live sender's is in, then aggregated together (in a worker
+    thread: the event loop keeps streaming meanwhile). `flagged` collects the senders the rule flagged, by index.
+    """
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int):
+        self._contributions: dict[int, tuple[torch.Tensor, float]] = {}
+        self._finishing = False
+        self.flagged: dict[int, str] = {}  # sender index -> why (the first reason it was flagged for)
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        self._contributions = {}
+        super().reset_accumulators()
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        """Keep this sender's contribution to the part, wait for the others', then return the part's aggregate."""
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # earlier parts are still being aggregated
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException("the reducer finished before this part was aggregated")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was dropped")
+        part_future = self.current_part_future
+        self._contributions[sender_index] = (tensor_part, weight)
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await part_future
+
+    def check_current_part_finished(self) -> None:
+        if self.current_part_accumulated_from == self.num_current_senders and not self._finishing:
+            self._finishing = True
+            asyncio.ensure_future(self._finish_part(self.current_part_future, self._contributions))
+
+    async def _finish_part(self, part_future: asyncio.Future, contributions: dict) -> None:
+        shape = self.part_shapes[self.current_part_index]
+        try:
+            aggregate = await asyncio.get_running_loop().run_in_executor(None, self._aggregate, contributions, shape)
+        except Exception as e:  # noqa: BLE001  (handed to every sender waiting for this part)
+            aggregate = e
+        if self.finished.is_set():
+            return
+        if isinstance(aggregate, Exception):
+            part_future.set_exception(aggregate)
+        else:
+            part_future.set_result(aggregate)
+        self._finishing = False
+        self.reset_accumulators()
+
+    def _aggregate(self, contributions: dict[int, tuple[torch.Tensor, float]], shape: torch.Size) -> torch.Tensor:
+        if not contributions:  # every sender failed: nobody is waiting for this part
+            return torch.zeros(shape)
+        senders = sorted(contributions)
+        parts = torch.stack([contributions[i][0].reshape(-1).float() for i in senders])
+        tokens = torch.tensor([contributions[i][1] for i in senders], dtype=torch.float64)
+        result = robust_aggregate(parts, tokens)
+        for k in result.far:
+            self.flagged.setdefault(senders[k], "a part far from the group's")
+        for k in result.colluding:
+            self.flagged.setdefault(senders[k], "a part nearly the same as another sender's")
+        return result.aggregate.reshape(shape)
+
+
 class _OneBitAllReduceRunner(AllReduceRunner):
-    """hivemind's butterfly all-reduce with validated inputs and one shared 1-bit answer per part.
+    """hivemind's butterfly all-reduce with validated inputs, robust aggregation and one shared 1-bit answer per part.
 
     Outputs are the averaged values themselves (hivemind's runner yields deltas); a failed reducer's span is
-    zero, and `lost_spans` says where. `tensors` must be views of one flat buffer: a part's storage offset is
+    zero, and `lost_spans` says where. Peers in `banned` take no part: their parts are ignored and their spans
+    are not asked for (lost). `rejected` says who sent or answered something refused this round, and why. `tensors` must be views of one flat buffer: a part's storage offset is
     then its position in the model, which locates lost spans and indexes the reducer residual (None: no
     reducer error feedback) whichever span this peer reduces in a round.
     """
+
+    part_reducer_type: type = _RobustPartReducer  # (benchmarks compare it with hivemind's weighted mean)
 
     def __init__(
         self,
@@ -701,15 +842,25 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         codec: OneBitCodec,
         reducer_residual: Optional[torch.Tensor],
         max_norm_ratio: float,
-        group_tokens: float,
+        group_tokens: Sequence[float],
         traffic: torch.Tensor,
+        banned: frozenset = frozenset(),
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.codec, self.reducer_residual, self.max_norm_ratio, self.traffic = (
             codec, reducer_residual, max_norm_ratio, traffic
         )
-        self.group_tokens = group_tokens
+        self.median_tokens = high_median(torch.tensor(list(group_tokens) or [self.weight], dtype=torch.float64))
+        hivemind_reducer, self.tensor_part_reducer = self.tensor_part_reducer, self.part_reducer_type(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
+        )
+        hivemind_reducer.finished.set()  # never used: finished, so that it does not report missing parts
+        self.banned = frozenset(banned) & set(self.ordered_peer_ids) - {self.peer_id}
+        for peer_id in self.banned & set(self.sender_peer_ids):
+            self.banned_senders.add(peer_id)
+            self.tensor_part_reducer.on_sender_failed(self.sender_peer_ids.index(peer_id))
+        self._invalid: dict[PeerID, str] = {}  # groupmates whose parts or averages were refused, and why
         self._own_norms = [float(part.norm()) for part in self.parts_for_local_averaging]
         self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
         self._sent_parts: dict[int, list[tuple[torch.Size, float]]] = {}  # peer index -> (shape, norm) we sent
@@ -721,12 +872,22 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         """Groupmates lost so far: senders our span dropped (invalid, silent) and reducers that failed us."""
         return (self.banned_senders | self._failed_reducers) - {self.peer_id}
 
+    @property
+    def rejected(self) -> dict[PeerID, str]:
+        """Groupmates caught this round (banned ones aside): parts refused or flagged by the robust rule, and
+        reducers whose averages failed our check. Network trouble is not in it."""
+        flags = getattr(self.tensor_part_reducer, "flagged", {})
+        flagged = {self.sender_peer_ids[i]: why for i, why in flags.items()}
+        return {peer: why for peer, why in {**flagged, **self._invalid}.items() if peer not in self.banned | {self.peer_id}}
+
     # -- reducer side --
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         loop = asyncio.get_running_loop()
         sender = self.sender_peer_ids[sender_index]
         part_index, weight = 0, None
+        if sender in self.banned:
+            return  # not a word to a banned peer; hivemind drops it from the span
         try:
             async for message in stream:
                 self.traffic[_RECEIVED] += message.ByteSize()
@@ -748,13 +909,14 @@ class _OneBitAllReduceRunner(AllReduceRunner):
                 part_index += 1
         except InvalidContributionError as e:
             logger.warning("dropping %s from this round: part %d is invalid (%s)", sender, part_index, e)
+            self._invalid.setdefault(sender, f"an invalid part ({e})")
             raise
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(sender)
 
     def _norm_bound(self, own: float, tokens: float) -> float:
-        """The largest norm accepted for a part from (or averaged over) `tokens` tokens, ours being `own`."""
+        """The largest norm accepted for a part from `tokens` tokens, ours being `own`."""
         allowance = min(TOKEN_ALLOWANCE_CAP, max(1.0, tokens / self.weight)) if self.weight > 0 else 1.0
         return self.max_norm_ratio * allowance * own
 
@@ -797,6 +959,8 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         try:
             if peer_id == self.peer_id:
                 await self._reduce_own_parts(peer_index)
+            elif peer_id in self.banned:
+                raise AllreduceException(f"{peer_id} is banned")
             else:
                 await self._exchange_with_reducer(peer_id, peer_index)
         except BaseException as e:
@@ -834,14 +998,42 @@ class _OneBitAllReduceRunner(AllReduceRunner):
             # A reply always follows the part it answers, so that part's shape is already recorded.
             shape, sent_norm = self._sent_parts[peer_index][part_index]
             averaged = await loop.run_in_executor(None, _decode_onebit, self.codec, message.tensor_part, shape)
-            norm = float(averaged.norm())
-            if sent_norm > 0 and norm > self._norm_bound(sent_norm, self.group_tokens):
-                raise InvalidContributionError(f"average norm {norm:.3g} of {self.group_tokens:.3g} tokens is "
-                                               f"over the bound for our {sent_norm:.3g} from {self.weight:.3g}")
+            try:
+                self._check_reply(averaged, peer_index, part_index, sent_norm)
+            except InvalidContributionError as e:
+                self._invalid.setdefault(peer_id, f"an invalid average ({e})")
+                raise
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
             part_index += 1
         if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
             raise AllreduceException(f"{peer_id} answered {part_index} parts instead of all")
+
+    def _check_reply(self, averaged: torch.Tensor, peer_index: int, part_index: int, sent_norm: float) -> None:
+        """Refuse an average that cannot be the robust aggregate of a group that includes our part.
+
+        Where our tokens count (at least half the median groupmate's): longer than REPLY_NORM_RATIO times our
+        part (times the median's tokens over ours), or pointing away from our part (an honest aggregate has our
+        part's share in it, and independent parts are nearly orthogonal in high dimension). With fewer tokens
+        (a peer just past a state download, a few steps into its round) our part is too small to judge by:
+        only the loose bound of contributions applies (`max_norm_ratio`), and the group's resync repairs what
+        a lying reducer did to such a peer. Raises InvalidContributionError (a strike against the reducer) or,
+        for the direction, AllreduceException (the span is lost all the same).
+        """
+        if sent_norm == 0:
+            return
+        allowance = max(1.0, self.median_tokens / self.weight) if self.weight > 0 else 1.0
+        representative = self.weight >= self.median_tokens / 2
+        ratio = REPLY_NORM_RATIO if representative else self.max_norm_ratio
+        norm = float(averaged.norm())
+        if norm > ratio * allowance * sent_norm:
+            raise InvalidContributionError(f"average norm {norm:.3g} is over {ratio:g} x {allowance:.3g} x our "
+                                           f"part's {sent_norm:.3g}")
+        if representative:
+            sent = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]  # hivemind 1.1.12
+            if float(averaged.reshape(-1) @ sent.reshape(-1)) < 0:
+                # Refused, but no strike against the reducer: a peer whose global weights are out of step with
+                # the group's (until its resync) can send an update the group's average points away from.
+                raise AllreduceException("its average points away from our part")
 
     async def _count_outgoing(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         sent = self._sent_parts.setdefault(peer_index, [])

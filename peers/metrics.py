@@ -77,6 +77,7 @@ class PeerRecord:
     updated_at: _Time  # unix time of publication
     # groupmates this peer lost in its last averaging round (contribution refused, or failed mid all-reduce)
     dropped_peers: _Count = 0
+    banned_peers: _Count = 0  # peers this one has banned for the run (caught sending or answering bad averages)
 
     def to_wire(self) -> dict:
         """The record as published: a loss that is not a number (a diverged step) goes out as none."""

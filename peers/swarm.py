@@ -586,6 +586,7 @@ class SwarmPeer:
             relayed=self.identity.relayed,
             updated_at=time.time(),
             dropped_peers=snap.averaging[-1].dropped_peers if snap.averaging else 0,
+            banned_peers=self.averager.banned_count,
         )
 
     def _publish_loop(self) -> None:

@@ -5,6 +5,7 @@ import contextlib
 import gc
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -36,8 +37,17 @@ def onebit(tensor: torch.Tensor) -> torch.Tensor:
     return unpack(signs, scales, tensor.numel(), BLOCK_SIZE).view(tensor.shape)
 
 
+def capped(tokens: list[float]) -> list[float]:
+    """The weights a reducer gives claimed token counts: none above the group's (high) median claim."""
+    median = statistics.median_high(tokens)
+    return [min(t, median) for t in tokens]
+
+
 def weighted_mean(grads: list[list[torch.Tensor]], tokens: list[float]) -> list[torch.Tensor]:
-    return [sum(w * g[i] for g, w in zip(grads, tokens)) / sum(tokens) for i in range(len(SHAPES))]
+    """What a reducer makes of honest, alike contributions: their mean, weighted by capped tokens (robust
+    aggregation clips nothing among them)."""
+    weights = capped(tokens)
+    return [sum(w * g[i] for g, w in zip(grads, weights)) / sum(weights) for i in range(len(SHAPES))]
 
 
 def expected_first_round(grads, tokens) -> list[torch.Tensor]:
@@ -56,17 +66,19 @@ def random_grads(seed: int) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def swarm(codecs: list[OneBitCodec], averager_type: type = SwarmAverager, **overrides):
-    """One DHT + averager (a SwarmAverager) per codec on 127.0.0.1, all shut down afterwards."""
+def swarm(codecs: list[OneBitCodec], averager_type: type | list[type] = SwarmAverager, **overrides):
+    """One DHT + averager (a SwarmAverager, or the type at its place in a list) per codec on 127.0.0.1, all shut
+    down afterwards."""
     dhts, averagers = [], []
     try:
         for _ in codecs:
             initial_peers = dhts[0].get_visible_maddrs() if dhts else None
             dhts.append(hivemind.DHT(start=True, initial_peers=initial_peers))
         template = [torch.zeros(shape) for shape in SHAPES]
-        for dht, codec in zip(dhts, codecs):
+        types = averager_type if isinstance(averager_type, list) else [averager_type] * len(codecs)
+        for dht, codec, kind in zip(dhts, codecs, types):
             options = {**AVERAGER_OPTIONS, **overrides}
-            averagers.append(averager_type(template, dht, prefix="test", codec=codec, **options))
+            averagers.append(kind(template, dht, prefix="test", codec=codec, **options))
         yield averagers
     finally:
         for averager in averagers:
@@ -106,7 +118,7 @@ def test_three_peers_average_agree_and_error_feedback_keeps_the_books():
     # Nothing is lost, only delayed: what was delivered, plus what reducers still owe, plus the weighted
     # residuals senders still owe, is exactly the sum of the true means (same pseudo-gradients each round).
     owed_by_reducers = sum(state["reducer"] for state in states)
-    owed_by_senders = sum(w * state["sender"] for w, state in zip(tokens, states)) / sum(tokens)
+    owed_by_senders = sum(w * state["sender"] for w, state in zip(capped(tokens), states)) / sum(capped(tokens))
     books = delivered + owed_by_reducers + owed_by_senders
     assert float((books - rounds * true_mean).norm() / (rounds * true_mean).norm()) < 1e-4
     # ... and what is owed grows slower than what is delivered (without error feedback the relative error

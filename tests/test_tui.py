@@ -250,7 +250,7 @@ async def test_wide_terminal_shows_every_record_field():
         table = app.query_one(PeersTable)
         carol = [cell.plain for cell in table.get_row(PEERS[3].peer_id)]
         assert carol == ["…aro7z", "carol-a100-spot", "direct", "A100-SXM4-8…", "bf16", "cpu", "33k", "0", "-",
-                         "0", "0", "3GB", "2.9GB", "0.1.0", "now"]  # fmt: skip
+                         "0", "0", "3GB", "2.9GB", "0", "0.1.0", "now"]  # fmt: skip
 
 
 @pytest.mark.anyio

@@ -75,6 +75,7 @@ _ROUND = _number("round", "round", lambda r, now: str(r.round), lambda r, now: r
 _STEP = _number("step", "step", lambda r, now: str(r.step), lambda r, now: r.step)
 _SENT = _number("sent", "sent", lambda r, now: fmt.size(r.bytes_sent), lambda r, now: r.bytes_sent)
 _RECEIVED = _number("received", "recv", lambda r, now: fmt.size(r.bytes_received), lambda r, now: r.bytes_received)
+_BANNED = _number("banned", "bans", lambda r, now: str(r.banned_peers), lambda r, now: r.banned_peers)
 _VERSION = PeerColumn("version", "version", lambda r, now: r.version, lambda r, now: r.version)
 _SEEN = _number(  # the most recently seen first
     "seen", "seen", lambda r, now: fmt.age(now - r.updated_at), lambda r, now: now - r.updated_at, False
@@ -84,7 +85,7 @@ _SEEN = _number(  # the most recently seen first
 COMPACT_COLUMNS = (_PEER, _NAME, _LINK, _DEVICE_AND_PRECISION, _TOKENS_PER_S, _TOKENS, _LOSS, _ROUND, _SEEN)
 WIDE_COLUMNS = (
     _PEER, _WIDE_NAME, _LINK, _DEVICE, _PRECISION, _OFFLOAD, _TOKENS_PER_S, _TOKENS, _LOSS,
-    _ROUND, _STEP, _SENT, _RECEIVED, _VERSION, _SEEN,
+    _ROUND, _STEP, _SENT, _RECEIVED, _BANNED, _VERSION, _SEEN,
 )  # fmt: skip
 WIDE_FROM = 120  # table width (cells) at which the wide column set fits
 DEFAULT_SORT = ("tokens_per_s", True)  # the busiest peers first

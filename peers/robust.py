@@ -1,0 +1,145 @@
+"""Robust aggregation of one span's contributions, and the verdict on each contributor.
+
+A reducer of hivemind's all-reduce sees every groupmate's part of its span. Instead of their weighted mean it
+takes **CenteredClip** (Karimireddy et al. 2021, as used by BTARD, arXiv 2106.11257): start at the coordinate-wise
+median and move towards each contribution by at most a radius `tau` from the current centre, until the centre no
+longer moves. A contribution, however large, then shifts the result by at most its weight share times `tau`, and
+`tau` is set by the group's own spread (the median distance to the start), so a minority cannot inflate it.
+Coordinate-wise medians and trimmed means were not chosen: "A Little Is Enough" (Baruch et al., NeurIPS 2019)
+defeats them with a shift of one standard deviation per coordinate, which stays inside every coordinate's range.
+
+Claimed token counts weigh contributions, but none above the group's (high) median claim: one peer claiming 10^12
+tokens weighs as much as a typical peer, not more.
+
+The verdict flags contributions that no honest peer would send, for reputation (peers/reputation.py):
+- **far:** further from the result than `FAR_RATIO` times the median distance *and* than its own share of the
+  result allows (a peer that trained on more tokens may have moved further). A late joiner a few steps into its
+  round sends a small update: it lies near zero, within one result's length, and is never flagged.
+- **colluding:** two contributions much closer to each other than peers that train independently ever are
+  (independent updates in high dimension are all about equally far apart; a pair that shifts the result
+  together, as "A Little Is Enough" does, sends one vector, or two near it), as long as they are a minority of
+  the group (most peers close together and one apart is an honest group with an outlier). Small contributions
+  (late joiners, near zero and so near one another) are never flagged: they cannot shift the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TAU_FACTOR = 2.0  # clipping radius: this times the median distance of the contributions to their median
+CLIP_ITERATIONS = 20  # CenteredClip converges geometrically; 20 steps leave it moving by < 1e-4 of tau here
+FAR_RATIO = 3.0  # "far": beyond this times the median distance to the result (honest distances concentrate)
+FAR_TOKEN_ALLOWANCE = 4.0  # a peer with k times the median tokens may lie up to (1 + k) results away, k <= this
+COLLUSION_DISTANCE = 0.25  # "colluding": two contributions closer than this times the median pairwise distance
+SMALL_SHARE = 0.5  # a contribution shorter than this times the result is never taken for a colluder
+
+
+@dataclass(frozen=True)
+class RobustResult:
+    """The aggregate of one span and what it says about each contributor (indices into the inputs)."""
+
+    aggregate: torch.Tensor
+    far: frozenset[int]
+    colluding: frozenset[int]
+
+    @property
+    def flagged(self) -> frozenset[int]:
+        return self.far | self.colluding
+
+
+def high_median(values: torch.Tensor) -> float:
+    """The median, the higher middle value for an even count: of two peers' claims, the larger (one peer's claim
+    cannot be weighed against the other's), while a lone high claim among four stays out."""
+    return float(values.sort().values[values.numel() // 2])
+
+
+def capped_weights(tokens: torch.Tensor) -> torch.Tensor:
+    """Claimed token counts, each capped at their (high) median; non-finite or negative claims weigh nothing."""
+    tokens = torch.where(torch.isfinite(tokens) & (tokens > 0), tokens, torch.zeros_like(tokens))
+    return tokens.clamp(max=high_median(tokens))
+
+
+def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
+    """The median of each coordinate over the rows of `parts` (the mean of the middle two for an even count)."""
+    ordered = parts.sort(dim=0).values
+    n = parts.shape[0]
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
+
+def centered_clip(parts: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, tau: float) -> torch.Tensor:
+    """CenteredClip: the fixed point of v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i, from `start`."""
+    share = (weights / weights.sum()).to(parts.dtype)
+    centre = start.clone()
+    for _ in range(CLIP_ITERATIONS):
+        deviations = parts - centre
+        norms = deviations.norm(dim=1)
+        clip = torch.where(norms > tau, tau / norms.clamp(min=torch.finfo(parts.dtype).tiny), torch.ones_like(norms))
+        step = (share * clip) @ deviations
+        centre += step
+        if float(step.norm()) <= 1e-6 * tau:
+            break
+    return centre
+
+
+def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
+    """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`.
+
+    Flagged contributions are left out of the result: first the far ones, then, among the rest, colluding ones.
+    """
+    tokens = tokens.to(torch.float64)
+    kept = list(range(parts.shape[0]))
+    aggregate = _clipped_mean(parts, tokens)
+    far = _far(parts, tokens, aggregate)
+    if far:
+        kept = [i for i in kept if i not in far]
+        aggregate = _clipped_mean(parts[kept], tokens[kept])
+    colluding = frozenset(kept[i] for i in _colluding(parts[kept], aggregate))
+    if colluding:
+        kept = [i for i in kept if i not in colluding]
+        aggregate = _clipped_mean(parts[kept], tokens[kept])
+    return RobustResult(aggregate, far, colluding)
+
+
+def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    weights = capped_weights(tokens)
+    if float(weights.sum()) == 0:
+        weights = torch.ones_like(weights)
+    if parts.shape[0] == 1:
+        return parts[0].clone()
+    start = coordinate_median(parts)
+    tau = TAU_FACTOR * float((parts - start).norm(dim=1).median())
+    return start if tau == 0 else centered_clip(parts, weights, start, tau)
+
+
+def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:
+    if parts.shape[0] < 3:  # with two contributions, neither is the majority
+        return frozenset()
+    distances = (parts - aggregate).norm(dim=1)
+    typical = float(distances.median())
+    median_tokens = float(capped_weights(tokens).max())
+    allowance = (tokens / max(median_tokens, 1e-30)).clamp(1.0, FAR_TOKEN_ALLOWANCE)
+    reach = (1.0 + allowance) * float(aggregate.norm())
+    return frozenset(i for i, d in enumerate(distances.tolist()) if d > FAR_RATIO * typical and d > float(reach[i]))
+
+
+def _colluding(parts: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:
+    if parts.shape[0] < 3:
+        return frozenset()
+    distances = torch.cdist(parts.double(), parts.double())
+    pairs = torch.triu_indices(parts.shape[0], parts.shape[0], offset=1)
+    typical = float(distances[pairs[0], pairs[1]].median())
+    if typical == 0:
+        return frozenset()
+    # Small contributions (late joiners) are near one another, and too small to shift the result: never flagged.
+    small = parts.norm(dim=1) < SMALL_SHARE * float(aggregate.norm())
+    close = distances < COLLUSION_DISTANCE * typical
+    close.fill_diagonal_(False)
+    close[small] = False
+    close[:, small] = False
+    # Only a minority cluster is suspect: most peers close together and one further out is an honest group with
+    # an outlier (a peer out of step, say), which looks the same from inside.
+    cluster = 1 + close.sum(dim=1)
+    suspect = close.any(dim=1) & (2 * cluster < parts.shape[0])
+    return frozenset(int(i) for i in torch.nonzero(suspect).flatten())

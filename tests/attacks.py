@@ -1,0 +1,171 @@
+"""Malicious swarm peers that speak the real protocol, for the robustness tests and benchmarks/swarm_attacks.py.
+
+Senders attack through what they hand `start_round` (`SENDER_ATTACKS` maps a pseudo-gradient to what is
+sent); reducers through the averages they send back (`LyingReducer`). Run as a script, this module is
+`tscale-peer` with the attack named by the environment (`TSCALE_ATTACK=name`; `TSCALE_ATTACK_DIR` for the
+colluders' shared folder) built into `join`'s averager:
+
+    TSCALE_ATTACK=sign_flip python tests/attacks.py join --initial-peers ...
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from hivemind.averaging.partition import TensorPartReducer
+from hivemind.proto import averaging_pb2
+
+from tscale_p2p.peers.averaging import SwarmAverager, _OneBitAllReduceRunner
+
+ALIE_Z = 1.0  # "A Little Is Enough": shift each coordinate by this many standard deviations of the honest ones
+
+
+def alie(honest: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The "A Little Is Enough" vector (Baruch et al. 2019) for honest contributions `honest`: their mean
+    minus ALIE_Z standard deviations, per coordinate; colluders all send it."""
+    stacked = torch.stack(list(honest))
+    return stacked.mean(dim=0) - ALIE_Z * stacked.std(dim=0)
+
+
+SENDER_ATTACKS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sign_flip": lambda g: -10.0 * g,  # its update, sign-flipped and 10x
+    "scaled": lambda g: 90.0 * g,  # its update 90x, just under the contribution norm bound (100x)
+}
+CLAIMED_TOKENS = {"heavy_sign_flip": 1e12}  # a token claim to pair with an attack
+SENDER_ATTACKS["heavy_sign_flip"] = SENDER_ATTACKS["sign_flip"]
+
+
+class _LyingRunner(_OneBitAllReduceRunner):
+    """Reduces honestly, then answers each sender with `factor(runner, sender)` times the average."""
+
+    factor: Callable = staticmethod(lambda runner, sender: -50.0)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        factor = self.factor(self, self.sender_peer_ids[sender_index])
+        async for message in super()._accumulate_parts_streaming(stream, sender_index):
+            lie = self.codec.compress(self.codec.extract(message.tensor_part) * factor, info=None)
+            yield averaging_pb2.AveragingData(code=message.code, tensor_part=lie)
+
+
+def _truth_to_one(runner: _LyingRunner, sender) -> float:
+    """The true average to the groupmate with the smallest peer id, 50x it to the others."""
+    others = sorted(str(peer) for peer in runner.sender_peer_ids if peer != runner.peer_id)
+    return 1.0 if str(sender) == others[0] else 50.0
+
+
+class LyingReducer(SwarmAverager):
+    """A reducer that sends -50x the true average of its span to everyone."""
+
+    factor: Callable = staticmethod(lambda runner, sender: -50.0)
+
+    def _make_runner(self, **kwargs):
+        return type("_LyingRunner", (_LyingRunner,), {"factor": staticmethod(self.factor)})(**kwargs)
+
+
+LyingReducer.__name__ = "SwarmAverager"  # hivemind names a peer's RPC handlers after its class
+
+
+class TwoFacedReducer(LyingReducer):
+    """Different averages to different peers: the truth to one groupmate, 50x it to the others."""
+
+    factor = staticmethod(_truth_to_one)
+
+
+TwoFacedReducer.__name__ = "SwarmAverager"
+
+class _MeanRunner(_OneBitAllReduceRunner):
+    part_reducer_type = TensorPartReducer
+
+
+class PlainMean(SwarmAverager):
+    """An honest peer reducing with hivemind's weighted mean instead of the robust rule (a benchmark baseline)."""
+
+    def _make_runner(self, **kwargs):
+        return _MeanRunner(**kwargs)
+
+
+PlainMean.__name__ = "SwarmAverager"
+
+REDUCER_ATTACKS = {"lying_reducer": LyingReducer, "two_faced_reducer": TwoFacedReducer, "plain_mean": PlainMean}
+
+
+class _Colluder:
+    """An "A Little Is Enough" attacker in a `join`: trains honestly, and sends `alie` of the honest updates it
+    knows: its colluders' and its own (shared through files in one folder, keyed by round), or, alone, its own
+    update and its previous one (two samples of an honest update)."""
+
+    def __init__(self, folder: Path | None, wait_s: float = 5.0):
+        self.folder, self.wait_s, self.previous = folder, wait_s, None
+
+    def __call__(self, pseudo_gradient: list[torch.Tensor], metadata) -> list[torch.Tensor]:
+        flat = torch.cat([t.reshape(-1) for t in pseudo_gradient])
+        samples = [flat] if self.previous is None else [flat, self.previous]
+        if self.folder is not None:
+            samples = [flat, *self._colluders(flat, metadata)]
+        self.previous = flat
+        if len(samples) < 2:
+            return pseudo_gradient
+        shifted = alie(samples)
+        return [view.view_as(t) for view, t in zip(shifted.split([t.numel() for t in pseudo_gradient]), pseudo_gradient)]
+
+    def _colluders(self, flat: torch.Tensor, metadata) -> list[torch.Tensor]:
+        round_key = metadata.get("round") if isinstance(metadata, dict) else None
+        mine = self.folder / f"{round_key}-{os.getpid()}.pt"
+        torch.save(flat, mine.with_suffix(".tmp"))
+        mine.with_suffix(".tmp").rename(mine)
+        deadline, others = time.monotonic() + self.wait_s, []
+        while time.monotonic() < deadline:
+            others = [p for p in self.folder.glob(f"{round_key}-*.pt") if p != mine]
+            if others:
+                break
+            time.sleep(0.1)
+        return [torch.load(p) for p in others]
+
+
+def attacking_averager(attack: str, folder: Path | None) -> type[SwarmAverager]:
+    """`join`'s SwarmAverager, turned into the attacker named `attack`."""
+    if attack in REDUCER_ATTACKS:
+        return REDUCER_ATTACKS[attack]
+    transform: Callable
+    if attack in SENDER_ATTACKS:
+        def transform(pseudo_gradient, metadata):
+            return [SENDER_ATTACKS[attack](t) for t in pseudo_gradient]
+    elif attack in ("alie", "alie_pair"):
+        transform = _Colluder(folder if attack == "alie_pair" else None)
+    else:
+        raise SystemExit(f"unknown attack {attack!r}")
+    claimed = CLAIMED_TOKENS.get(attack)
+
+    class SendingAttacker(SwarmAverager):
+        def __init__(self, *args, **kwargs):
+            kwargs["residual_carry"] = None  # it sends exactly its attack, no error feedback
+            super().__init__(*args, **kwargs)
+
+        def start_round(self, pseudo_gradient, tokens, metadata=None, group_size=None):
+            return super().start_round(transform(list(pseudo_gradient), metadata), claimed or tokens, metadata,
+                                       group_size)
+
+        def schedule_round(self, seconds_to_start, tokens, metadata=None, group_size=None):
+            return super().schedule_round(seconds_to_start, claimed or tokens, metadata, group_size)
+
+    SendingAttacker.__name__ = "SwarmAverager"
+    return SendingAttacker
+
+
+def main() -> int:
+    from tscale_p2p import cli
+    from tscale_p2p.peers import join
+
+    folder = os.environ.get("TSCALE_ATTACK_DIR")
+    join.SwarmAverager = attacking_averager(os.environ["TSCALE_ATTACK"], Path(folder) if folder else None)
+    sys.argv[0] = "tscale-peer"
+    return cli.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Robust aggregation, reducer checks and bans: the rule on its own, then attackers in a real averaging group
+(hivemind DHTs and p2pd daemons on 127.0.0.1) that speak the protocol (tests/attacks.py)."""
+
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_averaging import SHAPES, expected_first_round, onebit, relative_error, swarm
+from test_swarm import TINY, bootstrap_with_hivemind_dht, join_args, join_flags, shared_weights, spawn, text_file  # noqa: F401 (fixtures)
+
+from attacks import LyingReducer, TwoFacedReducer, alie
+from tscale_p2p.cli import main
+from tscale_p2p.peers.averaging import SwarmAverager
+from tscale_p2p.peers.codec import OneBitCodec
+from tscale_p2p.peers.reputation import PeerReputation
+from tscale_p2p.peers.robust import robust_aggregate
+
+D = 8192
+
+
+def honest_updates(count: int, seed: int, d: int = D) -> list[torch.Tensor]:
+    """Updates of peers training one model on their own data: a common direction plus their own noise (1-bit, as
+    a reducer receives them)."""
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randn(d, generator=generator)
+    return [onebit(common + torch.randn(d, generator=generator)) for _ in range(count)]
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+# ---- the rule, in one process ----
+
+def test_clean_contributions_average_to_their_weighted_mean():
+    parts = torch.stack(honest_updates(4, seed=0))
+    tokens = torch.tensor([1000.0, 2000.0, 1500.0, 1800.0])
+    result = robust_aggregate(parts, tokens)
+    weights = tokens.clamp(max=1800.0)  # capped at the (high) median claim
+    assert relative(result.aggregate, (weights @ parts) / weights.sum()) < 1e-5
+    assert not result.flagged
+
+
+@pytest.mark.parametrize("attack", [lambda g: -10 * g, lambda g: 90 * g], ids=["sign_flip_x10", "scaled_x90"])
+def test_a_far_contribution_is_flagged_and_left_out_whatever_weight_it_claims(attack):
+    *honest, own = honest_updates(4, seed=1)
+    parts = torch.stack([*honest, attack(own)])
+    result = robust_aggregate(parts, torch.tensor([1000.0, 1000.0, 1000.0, 1e12]))
+    assert result.far == {3} and not result.colluding
+    assert relative(result.aggregate, torch.stack(honest).mean(dim=0)) < 1e-5
+    # 2 honest + 1: the same
+    result = robust_aggregate(torch.stack([*honest[:2], attack(own)]), torch.tensor([1000.0, 1000.0, 1e12]))
+    assert result.far == {2}
+    assert relative(result.aggregate, torch.stack(honest[:2]).mean(dim=0)) < 1e-5
+
+
+def test_a_little_is_enough_pair_is_flagged_as_colluding_and_left_out():
+    """Their shift stays inside every coordinate's honest range (a plain mean moves by a third of the honest
+    mean's length here, a coordinate-wise median would too), but the two send one vector. (2 + 2 is not
+    claimed: from inside, a pair and a pair look alike.)"""
+    honest_count = 3
+    honest = honest_updates(honest_count, seed=2)
+    attack = onebit(alie(honest))
+    parts = torch.stack([*honest, attack, attack])
+    honest_mean = torch.stack(honest).mean(dim=0)
+    assert relative(parts.mean(dim=0), honest_mean) > 0.3
+    result = robust_aggregate(parts, torch.full((len(parts),), 1000.0))
+    assert result.colluding == {honest_count, honest_count + 1} and not result.far
+    assert relative(result.aggregate, honest_mean) < 1e-5
+
+
+def test_late_joiners_small_updates_are_not_mistaken_for_attacks():
+    """A peer a few steps into its round (just past a state download) sends a small update with few tokens;
+    two of them deviate from the result alike (towards zero), which is not collusion."""
+    honest = honest_updates(5, seed=3)
+    parts = torch.stack([*honest[:3], 0.02 * honest[3], 0.01 * honest[4]])
+    result = robust_aggregate(parts, torch.tensor([5000.0, 5000.0, 5000.0, 100.0, 50.0]))
+    assert not result.flagged
+
+
+def test_an_honest_peer_further_out_makes_nobody_look_colluding():
+    """Three honest updates, one of them (a peer out of step) twice as far from the others as they are from each
+    other: the two others deviate from the result alike, but they are not close to each other."""
+    a, b, c = honest_updates(3, seed=5)
+    parts = torch.stack([a, b, b + 2 * (c - b)])
+    assert not robust_aggregate(parts, torch.full((3,), 1000.0)).flagged
+
+
+def test_a_single_a_little_is_enough_attacker_moves_the_result_no_more_than_a_silent_peer_would():
+    """One shifted contribution inside the honest spread is not flagged (nothing tells it from noise), and
+    clipping bounds what it does: about as much as a peer that sent zeros."""
+    honest = honest_updates(3, seed=4)
+    honest_mean = torch.stack(honest).mean(dim=0)
+    shifted = robust_aggregate(torch.stack([*honest, onebit(alie(honest))]), torch.full((4,), 1000.0))
+    silent = robust_aggregate(torch.stack([*honest, torch.zeros(D)]), torch.full((4,), 1000.0))
+    assert not shifted.flagged
+    assert relative(shifted.aggregate, honest_mean) < 2 * relative(silent.aggregate, honest_mean)
+
+
+def test_a_peer_is_banned_after_being_rejected_in_two_rounds():
+    reputation = PeerReputation()
+    assert reputation.record_round({"A": "far", "B": "far"}) == []
+    assert reputation.record_round({"A": "an invalid average"}) == ["A"]
+    assert reputation.record_round({"A": "far", "B": "far"}) == ["B"]  # a banned peer is not counted again
+    assert reputation.banned == {"A": "an invalid average", "B": "far"}
+
+
+# ---- attackers in a real averaging group ----
+
+def grads_of_round(round_number: int, count: int) -> list[list[torch.Tensor]]:
+    """Each peer's pseudo-gradient in a round: a direction common to the peers plus their own noise."""
+    generator = torch.Generator().manual_seed(100 + round_number)
+    common = [torch.randn(shape, generator=generator) * 1e-3 for shape in SHAPES]
+    return [[c + torch.randn(c.shape, generator=generator) * 1e-3 for c in common] for _ in range(count)]
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def play(averagers, grads, tokens, group_size):
+    pending = [a.start_round(g, tokens=t, group_size=group_size) for a, g, t in zip(averagers, grads, tokens)]
+    return [p.result(timeout=40) for p in pending]
+
+
+def peer(averager) -> str:
+    return averager.peer_id.to_base58()
+
+
+def assert_banned_by_all(honest, attackers):
+    for averager in honest:
+        assert set(averager.banned_peers()) == {peer(a) for a in attackers}
+        assert averager.banned_count == len(attackers)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("attack, claimed", [(lambda g: -10 * g, 1e12), (lambda g: 90 * g, 1000.0)],
+                         ids=["sign_flip_x10_claiming_1e12_tokens", "scaled_x90"])
+def test_a_sender_attack_is_left_out_of_every_span_and_banned(attack, claimed):
+    """3 honest peers + 1 attacker: every honest peer gets the honest-only average in round one, bans the attacker
+    after its second round, and averages without it from then on."""
+    with swarm([OneBitCodec() for _ in range(4)], residual_carry=None) as averagers:
+        honest, attacker = averagers[:3], averagers[3]
+        for round_number in range(3):
+            grads = grads_of_round(round_number, 4)
+            bad = [attack(g) for g in grads[3]]
+            group = averagers if round_number < 2 else honest
+            outcomes = play(group, grads[:3] + [bad], [1000.0] * 3 + [claimed], group_size=len(group))[:3]
+            want = expected_first_round(grads[:3], [1000.0] * 3)
+            for outcome in outcomes:
+                assert outcome.group_size == len(group)
+                assert relative_error(outcome.averaged, want) < 1e-2
+                assert torch.equal(flat(outcome.averaged), flat(outcomes[0].averaged))
+            if round_number == 1:
+                assert_banned_by_all(honest, [attacker])
+        # banned: it finds no group with the honest peers (they refuse it as a leader and as a follower)
+        attacker.round_timeout = 4.0
+        alone = play([attacker], [bad], [claimed], group_size=None)[0]
+        assert alone.averaged is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_reducer_answering_minus_50x_loses_its_span_and_is_banned():
+    """The honest peers refuse its span's average (they keep theirs for the next round) and never apply it;
+    the rest of their average is the group's. Nobody is left stuck: after the ban they average on without it."""
+    kinds = [SwarmAverager] * 3 + [LyingReducer]
+    with swarm([OneBitCodec() for _ in range(4)], averager_type=kinds) as averagers:
+        honest, liar = averagers[:3], averagers[3]
+        for round_number in range(2):
+            grads = grads_of_round(round_number, 4)
+            outcomes = play(averagers, grads, [1000.0] * 4, group_size=4)[:3]
+            for outcome in outcomes:
+                got = flat(outcome.averaged)
+                assert outcome.dropped_peers == 1 and bool(torch.isfinite(got).all())
+                lost = got == 0
+                assert 0.1 < float(lost.float().mean()) < 0.5  # the liar's span, about a quarter
+                if round_number == 0:
+                    want = flat(expected_first_round(grads, [1000.0] * 4))
+                    assert relative(got[~lost], want[~lost]) < 1e-2
+        assert_banned_by_all(honest, [liar])
+        grads = grads_of_round(2, 3)
+        for outcome in play(honest, grads, [1000.0] * 3, group_size=3):
+            assert outcome.group_size == 3 and outcome.dropped_peers == 0 and bool((flat(outcome.averaged) != 0).any())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_reducer_telling_peers_different_averages_is_banned_by_those_it_lied_to():
+    """The truth to one groupmate, 50x it to the others: those it lied to refuse its span and ban it; the one
+    it told the truth keeps the true average (nothing it can check tells it otherwise)."""
+    kinds = [SwarmAverager] * 3 + [TwoFacedReducer]
+    with swarm([OneBitCodec() for _ in range(4)], averager_type=kinds) as averagers:
+        honest, liar = averagers[:3], averagers[3]
+        for round_number in range(2):
+            outcomes = play(averagers, grads_of_round(round_number, 4), [1000.0] * 4, group_size=4)[:3]
+            told_truth = [o for o in outcomes if o.dropped_peers == 0]
+            assert len(told_truth) == 1 and all(bool(torch.isfinite(flat(o.averaged)).all()) for o in outcomes)
+        truthful = min(honest, key=peer)
+        assert truthful.banned_count == 0
+        assert_banned_by_all([a for a in honest if a is not truthful], [liar])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_colluding_a_little_is_enough_pair_is_left_out_and_banned():
+    """3 honest + 2 colluders sending mean - std of the honest updates (the attack knows them): every reducer
+    flags the pair, the honest peers get the honest-only average and ban both. (Smaller parts: each of the 5
+    peers reduces some, and only a reducer sees the contributions.)"""
+    with swarm([OneBitCodec() for _ in range(5)], residual_carry=None, part_size_bytes=64) as averagers:
+        honest, colluders = averagers[:3], averagers[3:]
+        for round_number in range(2):
+            grads = grads_of_round(round_number, 3)
+            shifted = [alie(parts) for parts in zip(*grads)]
+            outcomes = play(averagers, grads + [shifted, shifted], [1000.0] * 5, group_size=5)[:3]
+            want = expected_first_round(grads, [1000.0] * 3)
+            for outcome in outcomes:
+                assert relative_error(outcome.averaged, want) < 1e-2
+        assert_banned_by_all(honest, colluders)
+
+
+# ---- end to end: `tscale-peer join` processes ----
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_join_swarm_with_a_sign_flipping_attacker_trains_on_and_bans_it(spawn, tmp_path, text_file, monkeypatch,
+                                                                          capsys):
+    """3 honest `join`s and one whose averager sends -10x its update claiming 10^12 tokens (tests/attacks.py):
+    the honest peers learn as if it were not there, ban it, and `peers --json` shows their bans."""
+    bootstrap = bootstrap_with_hivemind_dht(spawn)
+    common = ["--initial-peers", bootstrap, "--run-id", "attacked", "--min-peers", "4", *TINY, "--steps", "60",
+              "--inner-steps", "5", "--matchmaking-time", "2", "--averaging-timeout", "20"]
+    honest = [spawn(name, *join_args(name, text_file, "--name", name, *common)) for name in ("a", "b", "c")]
+    monkeypatch.setenv("TSCALE_ATTACK", "heavy_sign_flip")
+    attacker = spawn("x", sys.executable, str(Path(__file__).with_name("attacks.py")),
+                     *join_flags("x", text_file, "--name", "x", *common))
+    attacker_id = attacker.wait_for(r"peer id (\w+)", timeout=60)[0].group(1)
+    for peer in honest:
+        peer.wait_for(rf"banning {attacker_id} for the rest of the run", timeout=90)
+    time.sleep(6)  # a metrics publish period
+    capsys.readouterr()
+    assert main(["peers", "--initial-peers", bootstrap, "--run-id", "attacked", "--json"]) == 0
+    records = {record["name"]: record for record in json.loads(capsys.readouterr().out)}
+    assert [records[name]["banned_peers"] for name in "abc"] == [1, 1, 1]
+    for peer in honest:
+        assert peer.wait(90) == 0, peer.summary()
+        losses = [float(v) for v in re.findall(r"step \d+  round \d+  loss (\S+)", peer.output())]
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.7 * losses[0], losses
+        assert all(bool(torch.isfinite(t).all()) for t in shared_weights(tmp_path / peer.log.stem))
+        assert "Traceback" not in peer.output()
