@@ -1,7 +1,8 @@
 """A poisoned swarm: val loss of the honest peers under each attack, against clean runs of the same length.
 
-    nice -n 10 python benchmarks/swarm_attacks.py [--data stdlib] [--steps 600] [--rows clean,sign_flip,...]
+    nice -n 10 python benchmarks/swarm_attacks.py [--data stdlib] [--steps 600] [--rows clean:4,sign_flip:3+1,...]
         [--out DIR]
+    flock /tmp/tscale-bench.lock python benchmarks/swarm_attacks.py --aggregation-timing
 
 Every peer is a real `tscale-peer join` process on 127.0.0.1 (hivemind DHT, p2pd, SwarmAverager), all started
 together against a stock `hivemind-dht` bootstrap node with the same flags; an attacker is the same `join`
@@ -20,6 +21,7 @@ peers reducing with hivemind's weighted mean (the cost of the robust rule), `cle
 Reported per row: val loss of the honest peers' global weights (the mean over them, and the worst), its gap to
 the clean run of as many peers in all, whether any weight or loss was non-finite, which honest peers banned the
 attackers (from their logs), and the mean time of an averaging round (from the peers' logs).
+`--aggregation-timing` instead times one reducer's work on one part: the robust rule against the weighted mean.
 """
 
 from __future__ import annotations
@@ -118,6 +120,27 @@ def _peer_id(log: str) -> str:
     return found.group(1) if found else "?"
 
 
+def aggregation_timing(part_values: int = 2**20, repeats: int = 5) -> None:
+    """ms per part of 2^20 values (a real part is ~1M values: hivemind's 128 KiB parts of 1-bit data)."""
+    from tscale_p2p.peers.robust import robust_aggregate
+
+    print("| contributions | weighted mean ms | robust rule ms | ratio |")
+    print("| --- | --- | --- | --- |")
+    for senders in (2, 4, 8, 16):
+        generator = torch.Generator().manual_seed(senders)
+        common = torch.randn(part_values, generator=generator)
+        parts = torch.stack([common + torch.randn(part_values, generator=generator) for _ in range(senders)])
+        tokens = torch.full((senders,), 1000.0)
+        timings = []
+        for rule in (lambda: (tokens.float() @ parts) / tokens.sum(), lambda: robust_aggregate(parts, tokens)):
+            rule()
+            began = time.perf_counter()
+            for _ in range(repeats):
+                rule()
+            timings.append(1000 * (time.perf_counter() - began) / repeats)
+        print(f"| {senders} | {timings[0]:.1f} | {timings[1]:.1f} | {timings[1] / timings[0]:.0f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default="stdlib")
@@ -132,7 +155,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="comma-separated ATTACK:HONEST+ATTACKERS")
     parser.add_argument("--out", help="folder for the peer logs and results.json (default: a temporary one)")
+    parser.add_argument("--aggregation-timing", action="store_true", help="time the rule on one part, then exit")
     args = parser.parse_args()
+    if args.aggregation_timing:
+        aggregation_timing()
+        return
     from tscale_p2p.peers.join import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 
     # What swarm_convergence's helpers read (its val_loss builds the trainer join builds from these flags).

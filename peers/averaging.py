@@ -11,9 +11,9 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    expected shape, is not finite, carries a non-positive weight, or has a norm above `max_norm_ratio` times the
    reducer's own part (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`). What is left is not
    averaged but aggregated robustly (peers/robust.py: CenteredClip, token weights capped at the group's median,
-   contributions far from the group's or colluding left out). Senders check each average they get back against
-   the part they sent (`_OneBitAllReduceRunner._check_reply`): one that could not come from an honest reducer
-   (-50x the average, or its opposite) fails that span.
+   contributions far from the group's or colluding left out). Senders check the averages they get back against
+   the parts they sent (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose average could not come
+   from an honest reducer (-50x the average, or its opposite) fails as a whole.
 3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which
    differs per sender. Instead the reducer packs the mean once and sends the same bytes to everyone: the
    return trip is ~1 bit per value as well, and every peer of the group decodes the very same average.
@@ -829,9 +829,10 @@ class _OneBitAllReduceRunner(AllReduceRunner):
 
     Outputs are the averaged values themselves (hivemind's runner yields deltas); a failed reducer's span is
     zero, and `lost_spans` says where. Peers in `banned` take no part: their parts are ignored and their spans
-    are not asked for (lost). `rejected` says who sent or answered something refused this round, and why. `tensors` must be views of one flat buffer: a part's storage offset is
-    then its position in the model, which locates lost spans and indexes the reducer residual (None: no
-    reducer error feedback) whichever span this peer reduces in a round.
+    are not asked for (lost). `rejected` says who sent or answered something refused this round, and why.
+    `tensors` must be views of one flat buffer: a part's storage offset is then its position in the model, which
+    locates lost spans and indexes the reducer residual (None: no reducer error feedback) whichever span this
+    peer reduces in a round.
     """
 
     part_reducer_type: type = _RobustPartReducer  # (benchmarks compare it with hivemind's weighted mean)
@@ -878,7 +879,8 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         reducers whose averages failed our check. Network trouble is not in it."""
         flags = getattr(self.tensor_part_reducer, "flagged", {})
         flagged = {self.sender_peer_ids[i]: why for i, why in flags.items()}
-        return {peer: why for peer, why in {**flagged, **self._invalid}.items() if peer not in self.banned | {self.peer_id}}
+        caught = {**flagged, **self._invalid}
+        return {peer: why for peer, why in caught.items() if peer not in self.banned | {self.peer_id}}
 
     # -- reducer side --
 
@@ -989,51 +991,51 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(outgoing)
         if self.should_delay_results(self.peer_id):
             await done_sending.wait()
-        part_index = 0
+        answers, agreement = [], 0.0  # the decoded averages; their dot product with what we sent
         async for message in aiter_with_timeout(stream, self.reducer_timeout):
             self.traffic[_RECEIVED] += message.ByteSize()
             self.traffic[_VALUES_RECEIVED] += math.prod(message.tensor_part.size)
             if message.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
             # A reply always follows the part it answers, so that part's shape is already recorded.
+            part_index = len(answers)
             shape, sent_norm = self._sent_parts[peer_index][part_index]
             averaged = await loop.run_in_executor(None, _decode_onebit, self.codec, message.tensor_part, shape)
             try:
-                self._check_reply(averaged, peer_index, part_index, sent_norm)
+                self._check_reply_norm(averaged, sent_norm)
             except InvalidContributionError as e:
                 self._invalid.setdefault(peer_id, f"an invalid average ({e})")
                 raise
+            sent = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]  # hivemind 1.1.12
+            agreement += float(averaged.reshape(-1) @ sent.reshape(-1))
+            answers.append(averaged)
+        if len(answers) != self.tensor_part_container.num_parts_by_peer[peer_index]:
+            raise AllreduceException(f"{peer_id} answered {len(answers)} parts instead of all")
+        if agreement < 0 and self.weight >= self.median_tokens / 2:
+            # Over the whole span (a part can be a few values, whose dot product is noise): an honest aggregate
+            # has our share in it, and independent updates are nearly orthogonal in high dimension. No strike
+            # against the reducer: a peer whose global weights are out of step with the group's (until its
+            # resync) can send an update the group's average points away from.
+            raise AllreduceException(f"{peer_id}'s average points away from our part of its span")
+        for part_index, averaged in enumerate(answers):  # only now: a span refused above is lost as a whole
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
-            part_index += 1
-        if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
-            raise AllreduceException(f"{peer_id} answered {part_index} parts instead of all")
 
-    def _check_reply(self, averaged: torch.Tensor, peer_index: int, part_index: int, sent_norm: float) -> None:
+    def _check_reply_norm(self, averaged: torch.Tensor, sent_norm: float) -> None:
         """Refuse an average that cannot be the robust aggregate of a group that includes our part.
 
         Where our tokens count (at least half the median groupmate's): longer than REPLY_NORM_RATIO times our
-        part (times the median's tokens over ours), or pointing away from our part (an honest aggregate has our
-        part's share in it, and independent parts are nearly orthogonal in high dimension). With fewer tokens
-        (a peer just past a state download, a few steps into its round) our part is too small to judge by:
-        only the loose bound of contributions applies (`max_norm_ratio`), and the group's resync repairs what
-        a lying reducer did to such a peer. Raises InvalidContributionError (a strike against the reducer) or,
-        for the direction, AllreduceException (the span is lost all the same).
+        part (times the median's tokens over ours). With fewer tokens (a peer just past a state download, a few
+        steps into its round) our part is too small to judge by: only the loose bound of contributions applies
+        (`max_norm_ratio`), and the group's resync repairs what a lying reducer did to such a peer.
         """
         if sent_norm == 0:
             return
         allowance = max(1.0, self.median_tokens / self.weight) if self.weight > 0 else 1.0
-        representative = self.weight >= self.median_tokens / 2
-        ratio = REPLY_NORM_RATIO if representative else self.max_norm_ratio
+        ratio = REPLY_NORM_RATIO if self.weight >= self.median_tokens / 2 else self.max_norm_ratio
         norm = float(averaged.norm())
         if norm > ratio * allowance * sent_norm:
             raise InvalidContributionError(f"average norm {norm:.3g} is over {ratio:g} x {allowance:.3g} x our "
                                            f"part's {sent_norm:.3g}")
-        if representative:
-            sent = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]  # hivemind 1.1.12
-            if float(averaged.reshape(-1) @ sent.reshape(-1)) < 0:
-                # Refused, but no strike against the reducer: a peer whose global weights are out of step with
-                # the group's (until its resync) can send an update the group's average points away from.
-                raise AllreduceException("its average points away from our part")
 
     async def _count_outgoing(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         sent = self._sent_parts.setdefault(peer_index, [])
