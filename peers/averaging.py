@@ -86,6 +86,7 @@ from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
 from tscale_p2p.peers.codec import ONEBIT_COMPRESSION_TYPE, OneBitCodec
 from tscale_p2p.peers.reputation import PeerReputation
 from tscale_p2p.peers.robust import high_median, robust_aggregate
+from tscale_p2p.peers.state_download import StateCheck, download_checked_state
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class RoundOutcome:
     # reducer its span's average, once per groupmate; bits per value of one trip = 8 * bytes / values
     values_sent: int = 0
     values_received: int = 0
+    group_peers: tuple[str, ...] = ()  # peer ids of the group (this one included), as matchmaking formed it
 
 
 def _cancel_step(control: StepControl) -> bool:
@@ -221,7 +223,7 @@ class PendingRound:
     def result(self, timeout: Optional[float] = None) -> RoundOutcome:
         """Wait for the round (at most `timeout` s; TimeoutError after that). Never raises for network failures."""
         if self._outcome is None:
-            averaged, group_size, group_tokens, error, metadata = None, 1, 0.0, None, ()
+            averaged, group_size, group_tokens, error, metadata, peers = None, 1, 0.0, None, (), ()
             try:
                 gathered = self._control.result(timeout=timeout)
             except Exception as e:
@@ -234,6 +236,7 @@ class PendingRound:
                 group_size = len(gathered)
                 group_tokens = sum(_declared_tokens(info) for info in gathered.values())
                 metadata = tuple(_declared_metadata(info) for info in gathered.values())
+                peers = tuple(str(peer) for peer in gathered)
             sent, received, values_sent, values_received = self._averager._traffic.tolist()
             dropped = int(self._averager._round_dropped.item())
             self._outcome = RoundOutcome(
@@ -248,6 +251,7 @@ class PendingRound:
                 error=error,
                 group_metadata=metadata,
                 dropped_peers=dropped,
+                group_peers=peers,
             )
             self._averager._pending = None
         return self._outcome
@@ -298,6 +302,8 @@ class SwarmAverager(DecentralizedAverager):
       1-bit return trip stayed within 1% of uncompressed averaging (benchmarks/RESULTS.md)
     :param state_source: called (in this process) when a joiner downloads state: returns (metadata, tensors);
       state sharing is on exactly when this is given
+    :param state_check: what a state downloaded by `load_state_from_peers` must be; with it, the download takes
+      the base most signed offers announce and checks what it receives (peers/state_download.py)
     :param kwargs: passed to `hivemind.averaging.DecentralizedAverager` (e.g. client_mode, bandwidth)
     """
 
@@ -318,6 +324,7 @@ class SwarmAverager(DecentralizedAverager):
         residual_carry: Optional[float] = 1.0,
         reducer_error_feedback: bool = False,
         state_source: Optional[Callable[[], tuple[Any, Sequence[torch.Tensor]]]] = None,
+        state_check: Optional[StateCheck] = None,
         start: bool = True,
         **kwargs,
     ):
@@ -334,7 +341,7 @@ class SwarmAverager(DecentralizedAverager):
         if residual_carry is not None and not 0.0 <= residual_carry <= 1.0:
             raise ValueError(f"residual_carry must be in [0, 1] or None, got {residual_carry}")
         self.residual_carry, self.reducer_error_feedback = residual_carry, reducer_error_feedback
-        self._state_source = state_source
+        self._state_source, self._state_check = state_source, state_check
 
         sizes = [t.numel() for t in template]
         self._flat = torch.zeros(sum(sizes)).share_memory_()  # pseudo-gradient in, average out
@@ -623,7 +630,14 @@ class SwarmAverager(DecentralizedAverager):
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None):
         keep_tasks_until_done(asyncio.get_running_loop())  # a joining peer's first call, before any step
-        return await super()._load_state_from_peers(future, timeout=timeout)
+        if self._state_check is None:
+            return await super()._load_state_from_peers(future, timeout=timeout)
+        try:
+            future.set_result(await download_checked_state(self, self._state_check))
+        except BaseException as error:
+            if not future.done():
+                future.set_exception(error)
+            raise
 
     async def _pack_once_triggered(self, step: StepControl) -> torch.Tensor:
         # super()._step attaches the trigger before its first await, so it is there when this task first runs.

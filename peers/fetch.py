@@ -19,9 +19,9 @@ from tscale_p2p.data import ByteTokenizer
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.averaging import SwarmAverager
-from tscale_p2p.peers.network import NetworkOptions, start_dht
+from tscale_p2p.peers.network import NetworkOptions, peer_ids_in, start_dht
 from tscale_p2p.peers.run_config import RunConfig, averaging_prefix, fetch_run_config
-from tscale_p2p.peers.swarm import SwarmPeer
+from tscale_p2p.peers.state_download import StateCheck
 from tscale_p2p.progress import long_work
 from tscale_p2p.tokenizer import BPETokenizer, Tokenizer, from_wire
 
@@ -68,7 +68,7 @@ def fetch_swarm_model(initial_peers: Sequence[str], run_id: str, timeout: float 
         except UserError as error:  # it names the peers already
             raise UserError(f"run {run_id!r}: {error}") from None
         try:
-            run = _wait_for_run_config(dht, run_id, deadline)
+            run = _wait_for_run_config(dht, run_id, peer_ids_in(initial_peers), deadline)
             if run is None:
                 raise UserError(f"{where}: no peer has published this run's config within {timeout:g} s")
             config = run.model_config
@@ -112,9 +112,9 @@ def _tokenizer_of(run: RunConfig, metadata: dict, where: str) -> Tokenizer | Non
     return from_wire(metadata["tokenizer"], run.tokenizer, where)
 
 
-def _wait_for_run_config(dht, run_id: str, deadline: float) -> RunConfig | None:
+def _wait_for_run_config(dht, run_id: str, trusted: frozenset[str], deadline: float) -> RunConfig | None:
     while True:
-        run = fetch_run_config(dht, run_id)
+        run = fetch_run_config(dht, run_id, trusted)
         if run is not None or time.monotonic() >= deadline:
             return run
         time.sleep(1.0)
@@ -123,47 +123,23 @@ def _wait_for_run_config(dht, run_id: str, deadline: float) -> RunConfig | None:
 def _download_weights(
     dht, run_id: str, run: RunConfig, template: dict[str, torch.Tensor], deadline: float
 ) -> tuple[dict[str, torch.Tensor], dict] | None:
-    """(weights, metadata) from the first peer whose state fits the run, retrying until `deadline`; else None."""
+    """(weights, metadata) of the state most peers offer, from the first of them whose state fits the run (see
+    peers/state_download.py), retrying until `deadline`; else None."""
     # Downloading needs only the averager's state RPC: one value to "average" is enough; sharing peers
     # declare themselves under the run's averaging prefix.
-    averager = SwarmAverager([torch.zeros(1)], dht, prefix=averaging_prefix(run_id), client_mode=True)
+    check = StateCheck.of(run_id, run, list(template.values()))
+    averager = SwarmAverager([torch.zeros(1)], dht, prefix=averaging_prefix(run_id), client_mode=True,
+                             state_check=check)
     try:
         while time.monotonic() < deadline:
             future = averager.load_state_from_peers(wait=False, timeout=deadline - time.monotonic())
             while not future.done() and time.monotonic() < deadline:
                 time.sleep(0.1)
             state = future.result() if future.done() else None
-            if state is not None:
-                weights = _weights_of(state, run, template)
-                if weights is not None:
-                    return weights, state[0]
+            if state is not None and check.problem(*state) is None:  # checked in the download; again, it is cheap
+                metadata, tensors = state
+                return dict(zip(template, tensors)), metadata
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         return None
     finally:
         averager.shutdown()
-
-
-def _weights_of(state, run: RunConfig, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """The named weights of a downloaded (metadata, tensors) state, or None (and a warning) if it does not fit:
-    it is remote data. The layout is `SwarmPeer.shared_state`'s: the weights, then as many momentum tensors."""
-    metadata, tensors = state
-    if (
-        not isinstance(metadata, dict)
-        or metadata.get("format") != SwarmPeer.STATE_FORMAT
-        or not all(isinstance(metadata.get(key, 0), int) for key in ("round", "step"))
-    ):
-        log.warning("ignoring a downloaded state: unknown format")
-        return None
-    if metadata.get("run_hash") != run.hash:
-        log.warning("ignoring a downloaded state: it belongs to another run config")
-        return None
-    if len(tensors) != 2 * len(template) or any(
-        t.shape != p.shape for t, p in zip(tensors, template.values())
-    ):
-        log.warning("ignoring a downloaded state: %d tensors that do not fit the model", len(tensors))
-        return None
-    weights = {name: t.float() for name, t in zip(template, tensors)}
-    if not all(bool(torch.isfinite(t).all()) for t in weights.values()):
-        log.warning("ignoring a downloaded state: it has non-finite weights")
-        return None
-    return weights

@@ -35,16 +35,22 @@ from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.metrics import SwarmMetrics
-from tscale_p2p.peers.network import NetworkOptions, start_dht
+from tscale_p2p.peers.network import NetworkOptions, peer_ids_in, start_dht
+from tscale_p2p.peers.progress import progress_record
+from tscale_p2p.peers.records import protect, signing_key, use_identity_key
 from tscale_p2p.peers.run_config import (
     RunConfig,
+    SignedRun,
     averaging_prefix,
-    fetch_run_config,
+    fetch_signed_run,
     load_saved_run_config,
+    load_saved_signed_run,
     publish_run_config,
+    run_config_record,
     save_run_config,
 )
 from tscale_p2p.peers.run_tokenizer import check_explicit_tokenizer, run_tokenizer_spec, save_run_tokenizer
+from tscale_p2p.peers.state_download import StateCheck, state_offer_record
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
 from tscale_p2p.progress import long_work
@@ -146,10 +152,16 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
                 handed_over: list[Checkpoint | None]) -> int:
     start = handed_over.pop()
     peer_id = str(dht.peer_id)
+    if options.network.identity_path:  # our records, and a run we found, are signed by our peer id
+        use_identity_key(dht, str(Path(options.network.identity_path).expanduser()))
+    # This node refuses unsigned, far-expiring or malformed records of the run's steering keys, from anybody.
+    protect(dht, run_config_record(options.run_id), progress_record(options.run_id),
+            state_offer_record(options.run_id))
     maddrs = _sorted_maddrs(dht)
     device = resolve_device(cfg.device)
     corpus = load_corpus(cfg.data)
-    run = resolve_run(dht, cfg, explicit, options, corpus, device, start)
+    signed_run = resolve_run(dht, cfg, explicit, options, corpus, device, start)
+    run = signed_run.config
     cfg = replace(cfg, tokenizer=run_tokenizer_spec(dht, run, options.run_id, cfg.out, explicit.get("tokenizer")))
 
     resume = find_latest(Path(cfg.out)) is not None
@@ -207,6 +219,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             round_timeout=options.averaging_timeout,
             residual_carry=ERROR_FEEDBACK_CARRY[options.error_feedback],
             state_source=state_source,
+            state_check=StateCheck.of(options.run_id, run, template),
             client_mode=client_mode,
             allow_state_sharing=False,  # switched on once this peer holds the swarm's state
         )
@@ -219,6 +232,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
         identity,
         status,
         run=run,
+        signed_run=signed_run,
         max_steps=options.max_steps,
         publish_every_s=options.publish_every_s,
     )
@@ -269,12 +283,19 @@ def _leave_at_once_on_second_ctrl_c(stop: GracefulStop) -> None:
 
 
 def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, corpus, device,
-                start: Checkpoint | None = None) -> RunConfig:
-    """The run this peer trains: the one published in the DHT, else the one saved in --out by an earlier
-    session, else a new one from this peer's flags (published for others) with the model and tokenizer of
-    `start` (the --init-from checkpoint) if given. Saved in --out in every case, with a BPE's tokenizer.json."""
-    published = fetch_run_config(dht, options.run_id) if options.network.initial_peers else None
+                start: Checkpoint | None = None) -> SignedRun:
+    """The run this peer trains, with its founder's signature: the one published in the DHT (signed by a founder
+    that --initial-peers or --out vouch for, see `fetch_signed_run`), else the one saved in --out by an earlier
+    session, else a new one from this peer's flags (signed by this peer and published for others) with the model
+    and tokenizer of `start` (the --init-from checkpoint) if given. Saved in --out in every case, with a BPE's
+    tokenizer.json."""
     saved = load_saved_run_config(cfg.out)
+    saved_signed = load_saved_signed_run(cfg.out, options.run_id) if saved is not None else None
+    trusted = set(peer_ids_in(options.network.initial_peers))
+    if saved_signed is not None:
+        trusted.add(saved_signed.founder_id)
+    published_signed = fetch_signed_run(dht, options.run_id, trusted) if options.network.initial_peers else None
+    published = published_signed.config if published_signed else None
     if published is not None and saved is not None and published.hash != saved.hash:
         raise UserError(
             f"{cfg.out!r} holds checkpoints of another configuration than run {options.run_id!r}; choose another --out"
@@ -309,10 +330,13 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
         from tscale_p2p.index import check_index_flag
 
         check_index_flag(run.model_config.index, cfg.index, f"run {options.run_id!r}")
+    signed = published_signed or (saved_signed if saved_signed and saved_signed.config == run else None)
+    if signed is None:  # a new run, or one saved before runs were signed: this peer founds it
+        signed = SignedRun.sign(run, options.run_id, signing_key(dht))
     if published is None:
-        publish_run_config(dht, options.run_id, run)
-    save_run_config(cfg.out, run)
-    return run
+        publish_run_config(dht, options.run_id, signed)
+    save_run_config(cfg.out, run, signed)
+    return signed
 
 
 def download_state(peer: SwarmPeer, should_stop, timeout_s: float = 60.0) -> bool:

@@ -22,6 +22,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from pydantic import ConfigDict, Field, Strict, StringConstraints, TypeAdapter, ValidationError, with_config
 
 from tscale_p2p.errors import UserError
+from tscale_p2p.peers.records import signer_for
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,7 @@ class SwarmMetrics:
 
     def __init__(self, dht: DHT, run_id: str, ttl_s: float = RECORD_TTL_S) -> None:
         self.dht, self.key, self.ttl_s = dht, peer_records_key(run_id), ttl_s
-        self._validator = RSASignatureValidator()
-        dht.add_validators([self._validator])
+        self._validator = signer_for(dht)
 
     def publish(self, record: PeerRecord) -> bool:
         """Store (or refresh) this peer's record; False if no DHT node accepted it."""

@@ -58,6 +58,17 @@ def parse_multiaddrs(values: Sequence[str], flag: str, need_peer_id: bool = Fals
     return tuple(parsed)
 
 
+def peer_ids_in(maddrs: Sequence[str]) -> frozenset[str]:
+    """The peer ids (the /p2p/ parts) of validated multiaddrs: the peers a joiner chose to trust."""
+    ids = set()
+    for value in maddrs:
+        try:
+            ids.add(multiaddr.Multiaddr(value).value_for_protocol("p2p"))
+        except (multiaddr.exceptions.Error, ValueError):
+            continue  # no /p2p/ part
+    return frozenset(ids)
+
+
 def host_maddrs_for(port: int | None, host_maddrs: Sequence[str]) -> tuple[str, ...]:
     """--host-maddrs as given, else all interfaces on --port (0: any free port), so volunteers are reachable."""
     if host_maddrs:

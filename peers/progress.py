@@ -14,9 +14,16 @@ and they meet in one group (the average is weighted by tokens, so each step coun
 
 Round numbers ("epochs") are the rounds a peer has ended, which is the same for peers that share the
 swarm's global weights. A peer that sees most of the others in a later epoch is late: it ends its round now.
-A minority ahead counts as having made its H steps. What other peers publish is untrusted: malformed records
-are ignored, extrapolations are clamped, and a peer (or a few) that claims to be ahead can make the others'
-rounds shorter by no more than its own share, so it cannot make every round end at once.
+A minority ahead counts as having made its H steps. What other peers publish is untrusted: records are signed
+by their peer's key and bounded (peers/records.py), malformed ones are ignored, extrapolations are clamped, and a
+peer (or a few) that claims to be ahead can make the others' rounds shorter by no more than its own share, so it
+cannot make every round end at once.
+
+Signing stops forged and overwritten records, not a stranger who makes up many keys. So once a peer has
+averaged with others (`confirm`: peers it met in a group, or downloaded the state from), a record of any other,
+unconfirmed peer counts as having made no fewer steps than this peer and no more than H: such peers can neither
+hold a round back (50 fake records of zero progress used to stretch rounds ~20x) nor end it early, only an honest
+newcomer's real pace between those bounds counts; and only confirmed peers being ahead can make it "late".
 The extrapolation uses each peer's clock (`time.time()`, as hivemind's DHT does); clock skew between
 machines only shifts the estimate by the skew times the peer's step rate.
 """
@@ -28,10 +35,16 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
+import pydantic
 from hivemind import DHT
 
+from tscale_p2p.peers.records import ProtectedKey, RecordModel, protect, read_signed, signer_for, store_signed
+
 log = logging.getLogger(__name__)
+
+NEWCOMERS = 2  # unconfirmed peers a round's group expects beyond the confirmed ones (see `live_peers`)
 
 
 @dataclass(frozen=True)
@@ -42,24 +55,25 @@ class Progress:
     steps: int  # local steps made in the current round
     steps_per_s: float
     time: float  # unix time of these numbers
+    peer_id: str = ""  # whose (the signer of its DHT record)
 
-    def to_wire(self) -> list:
-        return [self.epoch, self.steps, self.steps_per_s, self.time]
 
-    @classmethod
-    def from_wire(cls, value: object) -> "Progress | None":
-        if not (isinstance(value, (list, tuple)) and len(value) == 4):
-            return None
-        epoch, steps, rate, at = value
-        if not (isinstance(epoch, int) and isinstance(steps, int) and epoch >= 0 and steps >= 0):
-            return None
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (rate, at)):
-            return None
-        return cls(epoch, steps, max(0.0, float(rate)), float(at))
+class ProgressRecord(RecordModel):
+    """`Progress` as published: bounded numbers (a swarm makes fewer than 2**40 rounds or steps)."""
+
+    epoch: int = pydantic.Field(ge=0, lt=2**40)
+    steps: int = pydantic.Field(ge=0, lt=2**40)
+    steps_per_s: float = pydantic.Field(ge=0.0, le=1e9)
+    time: float = pydantic.Field(ge=0.0, le=2.0**40)
 
 
 def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
+
+
+def progress_record(run_id: str) -> ProtectedKey:
+    """The progress records' DHT key: one signed record per peer, each living a few publishing periods."""
+    return ProtectedKey(progress_key(run_id), ProgressRecord, max_ttl_s=60.0, max_bytes=256)
 
 
 class RoundClock:
@@ -70,10 +84,11 @@ class RoundClock:
     """
 
     def __init__(self, dht: DHT, run_id: str, peer_id: str, inner_steps: int, every_s: float = 1.0) -> None:
-        self.dht, self.key, self.peer_id = dht, progress_key(run_id), peer_id
+        self.dht, self.record, self.peer_id = dht, progress_record(run_id), peer_id
         self.inner_steps, self.every_s = inner_steps, every_s
         self._mine: Progress | None = None
         self._others: list[Progress] = []  # the latest fetch, fresh records only
+        self._confirmed: set[str] = set()  # peer ids met in an averaging group (or our state's donor)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="swarm-round-clock", daemon=True)
 
@@ -106,22 +121,42 @@ class RoundClock:
 
     def live_peers(self) -> int:
         """Peers (this one included) with a fresh record, whatever their round: the most a group can hold now.
-        (`peers_in` would undercount when rounds are shorter than a record's period: records lag whole rounds.)"""
-        return 1 + len(self._others)
+        (`peers_in` would undercount when rounds are shorter than a record's period: records lag whole rounds.)
+        Once peers are confirmed, at most NEWCOMERS unconfirmed ones are expected on top of them."""
+        if not self._confirmed:
+            return 1 + len(self._others)
+        confirmed = sum(1 for p in self._others if p.peer_id in self._confirmed)
+        return 1 + confirmed + min(NEWCOMERS, len(self._others) - confirmed)
+
+    def confirm(self, peer_ids: Iterable[str]) -> None:
+        """Peers this one has averaged with (or downloaded the swarm's state from): their records count as they
+        are; those of the others are bounded (see the module's docstring)."""
+        self._confirmed.update(p for p in peer_ids if p and p != self.peer_id)
+
+    def _counts_fully(self, other: Progress) -> bool:
+        return not self._confirmed or other.peer_id in self._confirmed
 
     def collective_steps(self, epoch: int, steps: int, now: float) -> float:
         """Steps made in round `epoch` by all peers, extrapolated to `now`; infinite if most of the others are
         past it. (A peer still in the previous round counts in `peers_in` but has made none of this round's
-        steps; one that is past it counts H steps.)"""
+        steps; one that is past it counts H steps.) Once some peers are confirmed, only they can make us late,
+        and each unconfirmed peer counts between our own `steps` and H."""
         counted = [p for p in self._others if p.epoch >= epoch - 1]
-        ahead = sum(1 for p in counted if p.epoch > epoch)
-        if 2 * ahead > len(counted):
+        trusted = [p for p in counted if self._counts_fully(p)]
+        if 2 * sum(1 for p in trusted if p.epoch > epoch) > len(trusted):
             return math.inf  # most peers have ended this round: we are late
-        total = float(steps + ahead * self.inner_steps)
+        total = float(steps)
         cap = 2.0 * self.inner_steps  # one peer's extrapolation is never trusted beyond this
         for other in counted:
-            if other.epoch == epoch:
-                total += min(cap, other.steps + other.steps_per_s * max(0.0, now - other.time))
+            if other.epoch > epoch:
+                made = float(self.inner_steps)
+            elif other.epoch == epoch:
+                made = min(cap, other.steps + other.steps_per_s * max(0.0, now - other.time))
+            else:
+                made = 0.0
+            if not self._counts_fully(other):
+                made = min(float(self.inner_steps), max(float(steps), made))
+            total += made
         return total
 
     def seconds_to_round_end(self, epoch: int, steps: int, steps_per_s: float) -> float:
@@ -131,7 +166,7 @@ class RoundClock:
         remaining = self.inner_steps * self.peers_in(epoch) - self.collective_steps(epoch, steps, now)
         if remaining <= 0:
             return 0.0
-        rate = steps_per_s + sum(p.steps_per_s for p in self._others if p.epoch == epoch)
+        rate = steps_per_s + sum(p.steps_per_s for p in self._others if p.epoch == epoch and self._counts_fully(p))
         return remaining / rate if rate > 0 else math.inf
 
     def schedule_step(self, origin: int, epoch: int, steps: int) -> int:
@@ -163,17 +198,18 @@ class RoundClock:
     def _publish(self) -> None:
         mine = self._mine
         if mine is not None:
-            self.dht.store(self.key, mine.to_wire(), expiration_time=time.time() + 3 * self.every_s + 5,
-                           subkey=self.peer_id)
+            record = ProgressRecord(epoch=mine.epoch, steps=mine.steps, steps_per_s=mine.steps_per_s, time=mine.time)
+            store_signed(self.dht, self.record, record, ttl_s=3 * self.every_s + 5)
 
     def _exchange(self) -> None:
+        protect(self.dht, self.record)
         self._publish()
-        found = self.dht.get(self.key, latest=True)
+        own = signer_for(self.dht).local_public_key
         others = []
-        fresh = time.time() - 3 * self.every_s - 5
-        if found is not None and isinstance(found.value, dict):
-            for subkey, entry in found.value.items():
-                record = Progress.from_wire(getattr(entry, "value", None))
-                if subkey != self.peer_id and record is not None and record.time > fresh:
-                    others.append(record)
+        now = time.time()
+        fresh = now - 3 * self.every_s - 5
+        for entry in read_signed(self.dht, self.record):
+            value = entry.value
+            if entry.owner != own and fresh < value.time <= now + 60.0:  # not stale, not from the future
+                others.append(Progress(value.epoch, value.steps, value.steps_per_s, value.time, entry.peer_id))
         self.observe(others)

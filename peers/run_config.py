@@ -6,23 +6,35 @@ and trains with it, so ``tscale-peer join --initial-peers X`` needs no model fla
 gives explicitly that contradicts the run is refused with a message naming the difference. Per-peer
 settings (data, device, precision, batch size, checkpoints) stay local: they do not change what the
 shared weights mean.
+
+A joiner adopts only a config the run's founder signed: the founder signs its config's hash with its identity key
+(the key its peer id comes from: the join line it prints carries that id), and a joiner checks the signature
+against the peer ids of its --initial-peers (`fetch_signed_run`). Every live peer re-publishes the founder's
+signed config in a DHT record of its own (signed and expiry-capped, see peers/records.py), so the run outlives
+its founder and a forged or far-expiring record of another peer cannot displace it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
-import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Collection
 
+import pydantic
 from hivemind import DHT
+from hivemind.utils.crypto import RSAPrivateKey
 
 from tscale_p2p.atomic import write_atomically
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig
+from tscale_p2p.peers.records import ProtectedKey, RecordModel, peer_id_of, protect, read_signed, store_signed, verify
+
+log = logging.getLogger(__name__)
 
 # TrainConfig fields that shape the shared optimisation: every peer must use the run's values.
 SHARED_TRAIN_FIELDS = (
@@ -153,6 +165,45 @@ class RunConfig:
         return config
 
 
+class RunConfigRecord(RecordModel):
+    """A published run config: the config, its hash, and the founder's signature of both (see `SignedRun`)."""
+
+    config: dict
+    hash: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$")
+    founder: str = pydantic.Field(max_length=1024)  # the founder's identity public key, "ssh-rsa ..."
+    signature: str = pydantic.Field(max_length=1024)  # base64 RSA-PSS signature of `signed_message`
+
+
+@dataclass(frozen=True)
+class SignedRun:
+    """A run config with its founder's signature: what peers publish and joiners verify."""
+
+    config: RunConfig
+    founder: str  # the founder's identity public key (ssh-rsa); its peer id is `founder_id`
+    signature: str
+
+    @classmethod
+    def sign(cls, config: RunConfig, run_id: str, key: RSAPrivateKey) -> "SignedRun":
+        founder = key.get_public_key().to_bytes().decode()
+        return cls(config, founder, key.sign(signed_message(run_id, config.hash)).decode())
+
+    @property
+    def founder_id(self) -> str | None:
+        return peer_id_of(self.founder)
+
+    def valid_for(self, run_id: str) -> bool:
+        """Whether the founder's signature covers this config under `run_id`."""
+        return verify(self.founder, signed_message(run_id, self.config.hash), self.signature)
+
+    def to_record(self) -> RunConfigRecord:
+        return RunConfigRecord(**self.config.to_wire(), founder=self.founder, signature=self.signature)
+
+
+def signed_message(run_id: str, config_hash: str) -> bytes:
+    """What a founder signs: the run id and its config's hash."""
+    return f"tscale-p2p run config\n{run_id}\n{config_hash}".encode()
+
+
 def check_run_id(run_id: str) -> str:
     if not RUN_ID_PATTERN.fullmatch(run_id):
         raise UserError(
@@ -170,22 +221,82 @@ def averaging_prefix(run_id: str) -> str:
     return f"{run_id}_grad"
 
 
-def fetch_run_config(dht: DHT, run_id: str) -> RunConfig | None:
-    """The run's published config, or None if nobody has published one yet."""
-    found = dht.get(run_config_key(run_id), latest=True)
-    if found is None:
+def run_config_record(run_id: str) -> ProtectedKey:
+    """The run config's DHT key: one signed record per publishing peer, none lasting beyond CONFIG_TTL_S."""
+    return ProtectedKey(run_config_key(run_id), RunConfigRecord, max_ttl_s=CONFIG_TTL_S, max_bytes=16384)
+
+
+def fetch_signed_run(dht: DHT, run_id: str, trusted: Collection[str] = ()) -> SignedRun | None:
+    """The run's published config, signed by its founder; None if nobody has published one yet.
+
+    `trusted` are peer ids the caller trusts (those of its --initial-peers, and the founder saved in --out): a
+    config is taken if its founder, or the peer that published it, is one of them. Configs that are malformed,
+    unsigned or signed by somebody else are ignored with a warning. If none of the trusted peers vouches for any
+    config (the initial peers are plain DHT nodes), the one config all signed records agree on is taken, with a
+    warning naming its founder; UserError if they disagree, or if every record is bad."""
+    protected = run_config_record(run_id)
+    protect(dht, protected)
+    entries = read_signed(dht, protected)
+    if not entries:
         return None
-    return RunConfig.from_wire(found.value)
+    good: list[tuple[SignedRun, str]] = []
+    for entry in entries:
+        record = entry.value
+        try:
+            config = RunConfig.from_wire({"config": record.config, "hash": record.hash})
+        except UserError as error:
+            log.warning("ignoring the config of run %r published by peer %s: %s", run_id, entry.peer_id, error)
+            continue
+        signed = SignedRun(config, record.founder, record.signature)
+        if not signed.valid_for(run_id):
+            log.warning("ignoring the config of run %r published by peer %s: its founder's signature is not valid",
+                        run_id, entry.peer_id)
+            continue
+        good.append((signed, entry.peer_id))
+    vouched = [signed for signed, publisher in good if signed.founder_id in trusted or publisher in trusted]
+    for signed, publisher in good:
+        if signed not in vouched and vouched:
+            log.warning("ignoring a config of run %r founded by peer %s (published by %s): not the run %s "
+                        "trusts", run_id, signed.founder_id, publisher, ", ".join(sorted(trusted)))
+    if vouched:
+        return vouched[0]  # the latest-expiring: the most recently refreshed
+    if not good:
+        raise UserError(f"run {run_id!r}: every config published for it in the DHT is malformed or badly signed")
+    distinct = {(signed.config.hash, signed.founder) for signed, _ in good}
+    if len(distinct) > 1:
+        founders = sorted({str(signed.founder_id) for signed, _ in good})
+        raise UserError(
+            f"run {run_id!r}: the DHT holds {len(distinct)} different configs for it (founders {', '.join(founders)}) "
+            "and none of --initial-peers vouches for one; join through the founder's address"
+        )
+    signed = good[0][0]
+    if trusted:
+        log.warning("none of --initial-peers has published run %r: trusting peer %s as its founder", run_id,
+                    signed.founder_id)
+    return signed
 
 
-def publish_run_config(dht: DHT, run_id: str, config: RunConfig) -> bool:
-    """Store (or refresh) the run config; every live peer does this now and then."""
-    return bool(dht.store(run_config_key(run_id), config.to_wire(), expiration_time=time.time() + CONFIG_TTL_S))
+def fetch_run_config(dht: DHT, run_id: str, trusted: Collection[str] = ()) -> RunConfig | None:
+    """`fetch_signed_run(...).config`: the run's config, or None if nobody has published one yet."""
+    signed = fetch_signed_run(dht, run_id, trusted)
+    return None if signed is None else signed.config
 
 
-def save_run_config(out: str | Path, config: RunConfig) -> None:
-    """Write OUT/run-config.json (atomically), so a restarted peer knows which run its checkpoints belong to."""
-    write_atomically(Path(out) / RUN_CONFIG_FILE, _canonical(config.to_wire()))
+def publish_run_config(dht: DHT, run_id: str, signed: SignedRun) -> bool:
+    """Store (or refresh) the founder's signed run config in this peer's own record; every live peer does this
+    now and then, so the run outlives its founder."""
+    protected = run_config_record(run_id)
+    protect(dht, protected)
+    return store_signed(dht, protected, signed.to_record(), CONFIG_TTL_S)
+
+
+def save_run_config(out: str | Path, config: RunConfig, signed: SignedRun | None = None) -> None:
+    """Write OUT/run-config.json (atomically), so a restarted peer knows which run its checkpoints belong to
+    (and, with `signed`, who founded it: `load_saved_signed_run`)."""
+    value = config.to_wire()
+    if signed is not None:
+        value.update(founder=signed.founder, signature=signed.signature)
+    write_atomically(Path(out) / RUN_CONFIG_FILE, _canonical(value))
 
 
 def load_saved_run_config(out: str | Path) -> RunConfig | None:
@@ -198,6 +309,19 @@ def load_saved_run_config(out: str | Path) -> RunConfig | None:
     except (OSError, ValueError) as error:
         raise UserError(f"cannot read {path}: {error}") from None
     return RunConfig.from_wire(value)
+
+
+def load_saved_signed_run(out: str | Path, run_id: str) -> SignedRun | None:
+    """The founder-signed run config saved in OUT, or None (none saved, or saved without a valid signature)."""
+    config = load_saved_run_config(out)
+    if config is None:
+        return None
+    value = json.loads((Path(out) / RUN_CONFIG_FILE).read_bytes())
+    founder, signature = value.get("founder"), value.get("signature")
+    if not (isinstance(founder, str) and isinstance(signature, str)):
+        return None
+    signed = SignedRun(config, founder, signature)
+    return signed if signed.valid_for(run_id) else None
 
 
 def _canonical(value) -> bytes:

@@ -27,7 +27,6 @@ hence cheap) and keeps its local progress on top of it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -48,7 +47,8 @@ from tscale_p2p.peers.averaging import PendingRound, RoundOutcome, SwarmAverager
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.progress import RoundClock
-from tscale_p2p.peers.run_config import RunConfig, publish_run_config
+from tscale_p2p.peers.run_config import RunConfig, SignedRun, publish_run_config
+from tscale_p2p.peers.state_download import STATE_FORMAT, StateCheck, announce_state, fingerprint
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus
 from tscale_p2p.trainer import Trainer
 from tscale_p2p.tokenizer import BPETokenizer, to_wire
@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 SWARM_STATE_FILE = "swarm-state.safetensors"
 CONFIG_REFRESH_S = 3600.0
 RESYNC_TIMEOUT_S = 60.0
-FINGERPRINT_VALUES = 2**20  # weights hashed per fingerprint: an outer step changes every weight, so a sample
-# finds any difference between two peers' global weights at a cost that does not grow with the model
 
 Base = tuple[int, str]  # (outer round, fingerprint) of the global weights a pseudo-gradient was formed on
 
@@ -102,7 +100,7 @@ def group_consensus(metadata: Sequence[object]) -> Base | None:
 class SwarmPeer:
     """Runs the rounds of one peer until `max_steps`, the run's last step, or a stop request."""
 
-    STATE_FORMAT = 1
+    STATE_FORMAT = STATE_FORMAT
 
     def __init__(
         self,
@@ -113,11 +111,13 @@ class SwarmPeer:
         status: LocalStatus,
         *,
         run: RunConfig,
+        signed_run: SignedRun | None = None,  # the founder-signed config this peer re-publishes
         max_steps: int | None = None,
         publish_every_s: float = 5.0,
     ) -> None:
         self.trainer, self.metrics, self.identity, self.status = trainer, metrics, identity, status
         self.run_config, self.inner_steps, self.run_hash = run, run.inner_steps, run.hash
+        self.signed_run = signed_run
         self.max_steps, self.publish_every_s = max_steps, publish_every_s
         tokenizer = trainer.corpus.tokenizer
         self._tokenizer_wire = to_wire(tokenizer) if isinstance(tokenizer, BPETokenizer) else None
@@ -132,6 +132,7 @@ class SwarmPeer:
         self.schedule_origin = trainer.step
         self._state_lock = threading.Lock()  # guards outer state + round for get_current_state's thread
         self._fingerprint = self.weights_fingerprint()  # of the global weights, refreshed when they change
+        self.state_check = StateCheck.of(identity.run_id, run, list(self.outer.weights.values()))
         self.averager: SwarmAverager = averager_factory(list(self.outer.weights.values()), self.shared_state)
         self.bytes_sent = self.bytes_received = 0
         self.last_averaging: float | None = None
@@ -179,27 +180,18 @@ class SwarmPeer:
     def _load_state(self, metadata: object, tensors: list[torch.Tensor]) -> bool:
         """Validate a state and make its global weights, momentum and round ours (the trainer is not touched)."""
         count = len(self.names)
-        if not isinstance(metadata, dict) or metadata.get("format") != self.STATE_FORMAT:
-            log.warning("ignoring downloaded state: unknown format")
-            return False
-        if metadata.get("run_hash") != self.run_hash:
-            log.warning("ignoring downloaded state: it belongs to another run config")
-            return False
-        shapes = [w.shape for w in self.outer.weights.values()] * 2
-        if len(tensors) != 2 * count or any(t.shape != shape for t, shape in zip(tensors, shapes)):
-            log.warning("ignoring downloaded state: %d tensors that do not fit the model", len(tensors))
-            return False
-        if not all(bool(torch.isfinite(t).all()) for t in tensors):
-            log.warning("ignoring downloaded state: it has non-finite values")
+        problem = self.state_check.problem(metadata, tensors)
+        if problem is not None:
+            log.warning("ignoring the downloaded state: %s", problem)
             return False
         optimizer = self.outer.state_dict()["optimizer"]
         optimizer["state"] = {i: {"momentum_buffer": tensors[count + i].float()} for i in range(count)}
         with self._state_lock:
             self.outer.load_state_dict({"weights": dict(zip(self.names, tensors[:count])), "optimizer": optimizer})
-            self.round = int(metadata.get("round", 0))
-            origin = metadata.get("schedule_origin", 0)  # absent from the states of older versions
-            self.schedule_origin = origin if isinstance(origin, int) and origin >= 0 else 0
+            self.round = metadata["round"]
+            self.schedule_origin = metadata.get("schedule_origin", 0)  # absent from the states of older versions
             self._fingerprint = self.weights_fingerprint()
+        self.clock.confirm([metadata.get("donor", "")])  # the peer the majority's state came from
         return True
 
     def _restart_round_from_global_weights(self) -> None:
@@ -209,9 +201,18 @@ class SwarmPeer:
         self._advertise_state()
 
     def _advertise_state(self) -> None:
-        # Joiners download from the peer with the highest priority: the one that has applied the most rounds.
+        # Joiners download the state most peers offer (peers/state_download.py); the priority is hivemind's own.
         if not self.averager.client_mode:
             self.averager.state_sharing_priority = float(self.round)
+            self._announce_state(wait=False)  # at once: a downloader must not find our offer a round old
+
+    def _announce_state(self, wait: bool = True) -> None:
+        """Offer our state (its round and fingerprint) in a signed DHT record, if we share it."""
+        if self.averager.client_mode or not self.averager.allow_state_sharing:
+            return
+        with self._state_lock:
+            round_number, weights = self.round, self._fingerprint
+        announce_state(self.metrics.dht, self.identity.run_id, self.run_hash, round_number, weights, wait=wait)
 
     # ---- on disk, beside the trainer's checkpoints ----
 
@@ -425,6 +426,8 @@ class SwarmPeer:
         self.trainer.apply_outer_update(weights)
         self._advertise_state()
         self._report_round(flight, outcome)
+        if outcome.averaged is not None and not outcome.dropped_peers:
+            self.clock.confirm(outcome.group_peers)  # they really averaged with us: their progress counts fully
         consensus = group_consensus(outcome.group_metadata) if outcome.averaged is not None else None
         if consensus is not None and consensus != flight.base:
             self._resync(flight, consensus, average)
@@ -505,14 +508,9 @@ class SwarmPeer:
             )
 
     def weights_fingerprint(self) -> str:
-        """A short digest of the global weights: peers that applied the same rounds print the same one.
-        Hashes an evenly spaced sample of FINGERPRINT_VALUES weights (every weight of a small model)."""
-        total = sum(t.numel() for t in self.outer.weights.values())
-        stride = max(1, total // FINGERPRINT_VALUES)
-        digest = hashlib.sha256()
-        for tensor in self.outer.weights.values():
-            digest.update(tensor.reshape(-1)[::stride].contiguous().numpy().tobytes())
-        return digest.hexdigest()[:12]
+        """A short digest of the global weights (`state_download.fingerprint`): peers that applied the same
+        rounds print the same one."""
+        return fingerprint(list(self.outer.weights.values()))
 
     def _drain(self) -> None:
         """Wait for the round in flight (see `_settle_in_flight`) and apply its average."""
@@ -596,9 +594,10 @@ class SwarmPeer:
         while True:
             try:
                 self.metrics.publish(self.record())
+                self._announce_state()
                 self.status.update(swarm_records=tuple(self.metrics.fetch()))
-                if time.monotonic() - config_published > CONFIG_REFRESH_S:
-                    publish_run_config(self.metrics.dht, self.identity.run_id, self.run_config)
+                if self.signed_run is not None and time.monotonic() - config_published > CONFIG_REFRESH_S:
+                    publish_run_config(self.metrics.dht, self.identity.run_id, self.signed_run)
                     config_published = time.monotonic()
             except Exception as error:  # the DHT may be shutting down; metrics must never stop training
                 log.debug("publishing metrics failed: %s", error)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
-from tscale_p2p.peers.network import NetworkOptions, start_dht
+from tscale_p2p.peers.network import NetworkOptions, peer_ids_in, start_dht
 from tscale_p2p.peers.run_config import fetch_run_config
 from tscale_p2p.peers.status import LocalStatus, StatusSnapshot
 from tscale_p2p.progress import ProgressBoard, WorkProgress
@@ -156,7 +156,7 @@ class SwarmWatchSource(MetricsSource):
         if metrics is None or self._closed.is_set():
             return []
         if not self.model:
-            run = fetch_run_config(metrics.dht, self.run_id)
+            run = fetch_run_config(metrics.dht, self.run_id, peer_ids_in(self.initial_peers))
             self.model = run.model_config.dims if run is not None else ""
         return metrics.fetch()
 
