@@ -233,7 +233,8 @@ def fetch_signed_run(dht: DHT, run_id: str, trusted: Collection[str] = ()) -> Si
     config is taken if its founder, or the peer that published it, is one of them. Configs that are malformed,
     unsigned or signed by somebody else are ignored with a warning. If none of the trusted peers vouches for any
     config (the initial peers are plain DHT nodes), the one config all signed records agree on is taken, with a
-    warning naming its founder; UserError if they disagree, or if every record is bad."""
+    warning naming its founder (several founders that started at once publish the same config); UserError if
+    the configs differ, or if every record is bad."""
     protected = run_config_record(run_id)
     protect(dht, protected)
     entries = read_signed(dht, protected)
@@ -262,7 +263,7 @@ def fetch_signed_run(dht: DHT, run_id: str, trusted: Collection[str] = ()) -> Si
         return vouched[0]  # the latest-expiring: the most recently refreshed
     if not good:
         raise UserError(f"run {run_id!r}: every config published for it in the DHT is malformed or badly signed")
-    distinct = {(signed.config.hash, signed.founder) for signed, _ in good}
+    distinct = {signed.config.hash for signed, _ in good}  # peers that started at once found the same run
     if len(distinct) > 1:
         founders = sorted({str(signed.founder_id) for signed, _ in good})
         raise UserError(

@@ -6,7 +6,8 @@ highest claimed priority won: one peer serving finite random weights "at round 1
 newcomer. A downloader (`download_checked_state`, run in the averager's process) now
 
 1. takes the base (round, fingerprint) that most offers of this run announce, ties going to the lower round
-   (a liar claims a high one), and downloads only from peers that announce it, one after another;
+   (a liar claims a high one), and downloads only from peers that announce it, one after another, the most
+   recently refreshed offer first (the likeliest to be still current);
 2. refuses a tensor whose declared shape, dtype, encoding or size is not the run's before buffering it, so a
    peer cannot make it hold gigabytes; and
 3. accepts a state only if its metadata is well-formed (`StateMetadata`: a "round" of "abc" no longer crashes
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import random
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -186,8 +186,7 @@ async def download_checked_state(averager, check: StateCheck) -> tuple[dict, lis
     if base is None:
         log.info("no peer offers the swarm's state")
         return None
-    donors = [peer for peer, offer in offers.items() if (offer.round, offer.weights) == base]
-    random.shuffle(donors)
+    donors = [peer for peer, offer in offers.items() if (offer.round, offer.weights) == base]  # freshest first
     others = len(offers) - len(donors)
     log.info("%d of %d peers offer the state of round %d, weights %s%s", len(donors), len(offers), *base,
              f" ({others} offer another one: not downloaded)" if others else "")

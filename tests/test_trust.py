@@ -1,0 +1,247 @@
+"""What a joiner adopts, and the DHT records that steer a run, against hostile peers: real hivemind DHT nodes and
+averagers on 127.0.0.1, in this process. The attackers live here: forged and far-expiring run configs, poisoned
+states, fake progress records."""
+
+from __future__ import annotations
+
+import time
+
+import hivemind
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.errors import UserError
+from tscale_p2p.model import ModelConfig
+from tscale_p2p.peers.averaging import SwarmAverager
+from tscale_p2p.peers.progress import RoundClock, progress_record
+from tscale_p2p.peers.records import owner_subkey, protect, read_signed, signer_for, signing_key, use_identity_key
+from tscale_p2p.peers.run_config import (
+    SignedRun,
+    RunConfig,
+    fetch_signed_run,
+    publish_run_config,
+    run_config_record,
+)
+from tscale_p2p.peers.state_download import StateCheck, announce_state, fingerprint, state_offer_record
+
+pytestmark = [pytest.mark.slow]  # each starts a few DHT nodes (and averagers): seconds, not milliseconds
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+RUN = "trust"
+
+
+class CheapKey(RSAPrivateKey):
+    """A 1024-bit RSA key: what an attacker minting many identities would use (and quick to make in a test)."""
+
+    def __init__(self):  # noqa: D107
+        self._private_key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    """nodes(name) starts a DHT node signing with its libp2p identity, joined to the first one; all are shut
+    down at teardown."""
+    started: list[hivemind.DHT] = []
+
+    def start(name: str) -> hivemind.DHT:
+        path = str(tmp_path / f"{name}.key")
+        initial = started[0].get_visible_maddrs() if started else []
+        dht = hivemind.DHT(host_maddrs=LOOPBACK, initial_peers=initial, identity_path=path, start=True)
+        started.append(dht)
+        use_identity_key(dht, path)
+        protect(dht, run_config_record(RUN), progress_record(RUN), state_offer_record(RUN))
+        return dht
+
+    yield start
+    for dht in reversed(started):
+        dht.shutdown()
+
+
+def config(**train) -> RunConfig:
+    return RunConfig.from_settings(TrainConfig(**train), ModelConfig.from_dims("e32h2d2w64"), "byte", 50, 0.7, 0.9)
+
+
+def test_a_joiner_adopts_the_founders_signed_config_and_refuses_forgeries(nodes):
+    founder, joiner, forger = nodes("founder"), nodes("joiner"), nodes("forger")
+    honest = SignedRun.sign(config(), RUN, signing_key(founder))
+    assert honest.founder_id == str(founder.peer_id)  # signed by the id the join line carries
+    assert publish_run_config(founder, RUN, honest)
+
+    # The forger signs a hijacking config (lr x100) with its own key, and re-publishes the founder's record with a
+    # tampered config under the founder's signature: both stored (they are its own signed records), both ignored.
+    hijack = config(lr=0.3)
+    assert publish_run_config(forger, RUN, SignedRun.sign(hijack, RUN, signing_key(forger)))
+    tampered = SignedRun(hijack, honest.founder, honest.signature)
+    assert not tampered.valid_for(RUN)
+    # Refused by every node: a far expiry, no owner, a malformed or huge value.
+    own = signer_for(forger).local_public_key
+    record = honest.to_record().model_dump()
+    key = run_config_record(RUN).key
+    assert not forger.store(key, record, get_dht_time() + 10**7, subkey=own)
+    assert not forger.store(key, record, get_dht_time() + 60, subkey=b"no owner")
+    assert not forger.store(key, {**record, "hash": "x" * 64}, get_dht_time() + 60, subkey=own)
+    assert not forger.store(key, {**record, "config": {"junk": "x" * 20_000}}, get_dht_time() + 60, subkey=own)
+    assert not forger.store(key, "not a record", get_dht_time() + 60, subkey=own)
+
+    adopted = fetch_signed_run(joiner, RUN, trusted={str(founder.peer_id)})
+    assert adopted.config == config() and adopted.founder_id == str(founder.peer_id)
+    # Honest re-publishes work: the founder refreshing its record, and a joiner carrying the founder's signature.
+    assert publish_run_config(founder, RUN, honest) and publish_run_config(joiner, RUN, adopted)
+    late = nodes("late")
+    # A newcomer that came in through the joiner's address trusts what the joiner vouches for.
+    assert fetch_signed_run(late, RUN, trusted={str(joiner.peer_id)}).config == config()
+    # Through a plain DHT node, vouched for by nobody: two founders claim the run, so it says whose to trust.
+    with pytest.raises(UserError, match="2 different configs .* join through the founder's address"):
+        fetch_signed_run(late, RUN, trusted={"QmSomeBootstrapNode"})
+    # Nothing at all was stored under the run's key with a far expiry.
+    assert all(e.expiration_time < get_dht_time() + 25 * 3600 for e in read_signed(late, run_config_record(RUN)))
+
+
+
+SHAPES = [(16, 8), (8,)]
+
+
+def honest_weights() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def state(tensors: list[torch.Tensor], round_number: int = 5, **metadata) -> tuple[dict, list[torch.Tensor]]:
+    """A shared state as `SwarmPeer.shared_state` makes it: the weights, then as many momentum buffers."""
+    meta = {"format": 1, "run_hash": config().hash, "round": round_number, "step": 250,
+            "weights": fingerprint(tensors), "schedule_origin": 0, **metadata}
+    return meta, [*tensors, *(torch.zeros_like(t) for t in tensors)]
+
+
+class Donor:
+    """A peer sharing the state `serve` returns (an attacker's is swapped between downloads); counts requests."""
+
+    def __init__(self, dht, serve):
+        self.dht, self.serve, self.asked = dht, serve, 0
+        self.averager = SwarmAverager([torch.zeros(1)], dht, prefix=f"{RUN}_grad", state_source=self._state,
+                                      allow_state_sharing=True)
+
+    def _state(self):
+        self.asked += 1
+        return self.serve()
+
+    def offer(self, round_number: int, weights: str) -> None:
+        assert announce_state(self.dht, RUN, config().hash, round_number, weights)
+
+
+@pytest.mark.timeout(120)
+def test_a_poisoned_state_is_refused_and_the_joiner_gets_the_majoritys(nodes):
+    """One honest donor, one poisoner whose offer is the freshest (so it is asked first when it offers the
+    majority's base): each poison is refused and the joiner downloads the honest state from the other peer."""
+    honest_node, poison_node, joiner_node = nodes("honest"), nodes("poison"), nodes("joiner")
+    honest = Donor(honest_node, lambda: state(honest_weights()))
+    poison = Donor(poison_node, lambda: state(honest_weights()))
+    check = StateCheck(RUN, config().hash, tuple(SHAPES))
+    joiner = SwarmAverager([torch.zeros(1)], joiner_node, prefix=f"{RUN}_grad", client_mode=True, state_check=check)
+    base = (5, fingerprint(honest_weights()))
+    random_weights = [torch.randn(shape) * 30 for shape in SHAPES]
+    attacks = {
+        # finite random weights at a huge claimed round: a tie of one offer each goes to the lower round
+        "a huge round": ((1_000_000, fingerprint(random_weights)), lambda: state(random_weights, 1_000_000)),
+        # the majority's base announced, other weights served
+        "weights that are not the offer's": (base, lambda: state(random_weights, weights=base[1])),
+        "NaN": (base, lambda: state([torch.full(s, float("nan")) for s in SHAPES], weights=base[1])),
+        "a tensor declared 16 MiB": (base, lambda: state([torch.zeros(2048, 2048), honest_weights()[1]],
+                                                         weights=base[1])),
+        "wrong shapes": (base, lambda: state([torch.zeros(8, 16), torch.zeros(8)], weights=base[1])),
+        "a round that is no integer": (base, lambda: state(honest_weights(), "5")),
+        "another run config": (base, lambda: state(honest_weights(), run_hash="0" * 64)),
+    }
+    try:
+        honest.offer(*base)
+        for name, (offer, serve) in attacks.items():
+            poison.serve, asked_before = serve, poison.asked
+            time.sleep(0.05)  # its offer is the fresher one
+            poison.offer(*offer)
+            downloaded = joiner.load_state_from_peers(wait=True, timeout=30)
+            assert downloaded is not None, name
+            metadata, tensors = downloaded
+            assert metadata["donor"] == str(honest_node.peer_id), name
+            assert all(torch.equal(t, w) for t, w in zip(tensors, honest_weights())), name
+            assert check.problem(metadata, tensors) is None
+            # The poisoner was asked exactly when it offered the majority's base (and was refused then).
+            assert poison.asked == asked_before + (offer == base), name
+        assert check.problem(*state(honest_weights(), round="abc")).startswith("malformed metadata (round")
+    finally:
+        for averager in (joiner, poison.averager, honest.averager):
+            averager.shutdown()
+
+
+def test_the_majority_base_wins_and_ties_go_to_the_lower_round():
+    from tscale_p2p.peers.state_download import StateOffer, majority_base
+
+    def offer(r, w):
+        return StateOffer(run_hash="a" * 64, round=r, weights=w)
+
+    assert majority_base([offer(9, "b" * 12), offer(5, "a" * 12), offer(5, "a" * 12)]) == (5, "a" * 12)
+    assert majority_base([offer(10**6, "b" * 12), offer(5, "a" * 12)]) == (5, "a" * 12)
+    assert majority_base([]) is None
+
+
+class ManyKeys(RSASignatureValidator):
+    """An attacker's signer: signs each record with whichever of its many keys the record's subkey names."""
+
+    def __init__(self, keys: list[RSAPrivateKey]):
+        super().__init__(keys[0])
+        self.owners = {owner_subkey(key): key for key in keys}
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        for owner, key in self.owners.items():
+            if owner in record.subkey:
+                signature = key.sign(self._serialize_record(record))
+                return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
+        return record.value
+
+
+@pytest.mark.timeout(120)
+def test_fake_progress_records_do_not_stall_rounds(nodes):
+    """50 fake peers (signed records, each with a key of its own, of zero progress in the current round) stretch a
+    new peer's round to 26 x H steps. Once it has averaged with a real peer, a record of a peer it has not met
+    counts between its own steps and H: its round ends after H steps as without them, fakes claiming to be
+    ahead cannot make it late, and its rounds' groups expect only a few newcomers. Unsigned and far-expiring
+    fakes are refused by every node."""
+    a_node, b_node = nodes("a"), nodes("b")
+    attacker = hivemind.DHT(host_maddrs=LOOPBACK, initial_peers=a_node.get_visible_maddrs(), start=True)
+    keys = [CheapKey() for _ in range(50)]
+    attacker.add_validators([ManyKeys(keys)])
+    a = RoundClock(a_node, RUN, str(a_node.peer_id), inner_steps=10, every_s=0.2)
+    b = RoundClock(b_node, RUN, str(b_node.peer_id), inner_steps=10, every_s=0.2)
+    key = progress_record(RUN).key
+    try:
+        b.update(epoch=0, steps=10, steps_per_s=0.0)  # b has made its share of round 0
+        a.update(epoch=0, steps=1, steps_per_s=0.0)
+        b._exchange()
+
+        def fake(epoch: int) -> None:
+            value = {"epoch": epoch, "steps": 0, "steps_per_s": 0.0, "time": time.time()}
+            stores = [attacker.store(key, value, get_dht_time() + 30, subkey=owner, return_future=True)
+                      for owner in ManyKeys(keys).owners]
+            assert all(store.result() for store in stores)
+
+        fake(0)
+        now = time.time()
+        assert not attacker.store(key, [0, 0, 0.0, now], get_dht_time() + 30, subkey=b"fake-peer")  # unsigned
+        assert not attacker.store(key, {"epoch": 0, "steps": 0, "steps_per_s": 0.0, "time": now},
+                                  get_dht_time() + 10**6, subkey=next(iter(ManyKeys(keys[:1]).owners)))
+        a._exchange()
+        assert a.peers_in(0) == 52  # b and the fakes: every one is read
+        assert not a.round_done(0, 10) and not a.round_done(0, 500)  # a new peer is stalled: 26 x H steps
+        a.confirm([str(b_node.peer_id)])  # a has averaged with b
+        assert not a.round_done(0, 9) and a.round_done(0, 10)  # H steps, as with b alone
+        assert a.live_peers() == 2 + 2  # a, b and at most two newcomers
+        fake(1)  # all fakes "ahead": b is not, so a is not late
+        a._exchange()
+        assert not a.round_done(0, 1) and a.round_done(0, 10)
+    finally:
+        attacker.shutdown()
