@@ -242,6 +242,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             log.info("continuing from the saved swarm state of round %d", peer.round)
         if not client_mode:
             peer.averager.allow_state_sharing = True
+            peer.announce_state()
         log.info("%s (%s) training on %s, %s, %d CPU threads; peer id %s", name, options.run_id, identity.device,
                  trainer.precision, torch.get_num_threads(), peer_id)
         if options.min_peers > 1:
@@ -366,6 +367,7 @@ def wait_for_peers(peer: SwarmPeer, count: int, should_stop) -> None:
     log.info("waiting for %d peers before training", count)
     while not should_stop():
         peer.metrics.publish(peer.record())
+        peer.announce_state()  # a waiting peer serves its state already
         fresh = time.time() - 3 * peer.publish_every_s
         live = {r.peer_id for r in peer.metrics.fetch() if r.updated_at > fresh} | {peer.identity.peer_id}
         if len(live) >= count:

@@ -36,6 +36,8 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
+from tscale_p2p.errors import UserError
+
 log = logging.getLogger(__name__)
 
 CLOCK_SKEW_S = 60.0  # how far ahead of our clock another peer's expiry may lie beyond a key's TTL
@@ -163,9 +165,12 @@ def use_identity_key(dht: DHT, identity_path: str) -> None:
     record it writes names its peer id. Call before anything else signs through `dht` (`signer_for`)."""
     if dht in _signers:
         raise RuntimeError("this DHT signs with another key already")
-    key = IdentityKey(identity_path)
+    try:
+        key = IdentityKey(identity_path)
+    except (OSError, ValueError) as error:  # hivemind made it an RSA key; somebody else made this one
+        raise UserError(f"identity {identity_path}: cannot sign with it ({error})") from None
     if peer_id_of(owner_subkey(key)) != str(dht.peer_id):
-        raise RuntimeError(f"{identity_path} is not the identity of this DHT node")
+        raise UserError(f"identity {identity_path} is not the key of this peer's id {dht.peer_id}")
     _keys[dht] = key
 
 

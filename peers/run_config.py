@@ -32,7 +32,16 @@ from tscale_p2p.atomic import write_atomically
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig
-from tscale_p2p.peers.records import ProtectedKey, RecordModel, peer_id_of, protect, read_signed, store_signed, verify
+from tscale_p2p.peers.records import (
+    ProtectedKey,
+    RecordModel,
+    peer_id_of,
+    protect,
+    read_signed,
+    signing_key,
+    store_signed,
+    verify,
+)
 
 log = logging.getLogger(__name__)
 
@@ -283,11 +292,12 @@ def fetch_run_config(dht: DHT, run_id: str, trusted: Collection[str] = ()) -> Ru
     return None if signed is None else signed.config
 
 
-def publish_run_config(dht: DHT, run_id: str, signed: SignedRun) -> bool:
+def publish_run_config(dht: DHT, run_id: str, config: SignedRun | RunConfig) -> bool:
     """Store (or refresh) the founder's signed run config in this peer's own record; every live peer does this
-    now and then, so the run outlives its founder."""
+    now and then, so the run outlives its founder. A bare RunConfig is signed by this peer, as its founder."""
     protected = run_config_record(run_id)
     protect(dht, protected)
+    signed = config if isinstance(config, SignedRun) else SignedRun.sign(config, run_id, signing_key(dht))
     return store_signed(dht, protected, signed.to_record(), CONFIG_TTL_S)
 
 

@@ -204,10 +204,11 @@ class SwarmPeer:
         # Joiners download the state most peers offer (peers/state_download.py); the priority is hivemind's own.
         if not self.averager.client_mode:
             self.averager.state_sharing_priority = float(self.round)
-            self._announce_state(wait=False)  # at once: a downloader must not find our offer a round old
+            self.announce_state(wait=False)  # at once: a downloader must not find our offer a round old
 
-    def _announce_state(self, wait: bool = True) -> None:
-        """Offer our state (its round and fingerprint) in a signed DHT record, if we share it."""
+    def announce_state(self, wait: bool = True) -> None:
+        """Offer our state (its round and fingerprint) in a signed DHT record, if we share it (the metrics thread
+        re-announces it every few seconds while the swarm loop runs)."""
         if self.averager.client_mode or not self.averager.allow_state_sharing:
             return
         with self._state_lock:
@@ -594,7 +595,7 @@ class SwarmPeer:
         while True:
             try:
                 self.metrics.publish(self.record())
-                self._announce_state()
+                self.announce_state()
                 self.status.update(swarm_records=tuple(self.metrics.fetch()))
                 if self.signed_run is not None and time.monotonic() - config_published > CONFIG_REFRESH_S:
                     publish_run_config(self.metrics.dht, self.identity.run_id, self.signed_run)
