@@ -105,16 +105,16 @@ class ModelConfig:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
-        """The config saved by `to_dict` (in a checkpoint, a run config): unknown keys and values of the wrong
-        type are a UserError, as are values `__post_init__` refuses."""
+    def from_dict(cls, data: dict, what: str = "model config") -> "ModelConfig":
+        """The config saved by `to_dict` (in a checkpoint, a run config; `what` names it in errors): unknown keys
+        and values of the wrong type are a UserError, as are values `__post_init__` refuses."""
         if not isinstance(data, dict):
-            raise UserError(f"a model config must be a mapping, got {type(data).__name__}")
+            raise UserError(f"{what} must be a mapping, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise UserError(f"unknown model config keys: {', '.join(unknown)}")
-        validated(_model_config_fields(), data, "model config")
+            raise UserError(f"unknown {what} keys: {', '.join(unknown)}")
+        validated(_model_config_fields(), data, what)
         return cls(**data)
 
     def with_(self, **changes) -> "ModelConfig":

@@ -75,7 +75,7 @@ class _CompletionBody(_Body):
 
 
 class _ChatBody(_Body):
-    messages: Any = None  # checked turn by turn by `render_transcript`, whose errors name the message
+    messages: Any = None  # checked by `render_transcript` (its own models), whose errors name the message
     max_completion_tokens: int | None = Field(None, description="an integer")  # max_tokens' newer name
 
 

@@ -107,8 +107,10 @@ def prepare_trainer(cfg: TrainConfig, make_trainer=Trainer, device: torch.device
     elif find_latest(out) is not None:
         raise UserError(f"{str(out)!r} already holds checkpoints; pass --resume to continue, or choose another --out")
     corpus = load_corpus(cfg.data)
-    saved = {} if checkpoint is None else {"saved": checkpoint_tokenizer(
-        checkpoint.path, checkpoint.meta, int(checkpoint.model_config.get("vocab_size", 0)))}
+    saved = {}
+    if checkpoint is not None:
+        saved_cfg = ModelConfig.from_dict(checkpoint.model_config, f"checkpoint {checkpoint.path}: meta.json model_config")
+        saved = {"saved": checkpoint_tokenizer(checkpoint.path, checkpoint.meta, saved_cfg.vocab_size)}
     corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, planned_tokens=planned_tokens(cfg, device.type),
                              **saved)
     log.info("data: %s", corpus.description)

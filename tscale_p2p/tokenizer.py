@@ -518,7 +518,11 @@ def checkpoint_tokenizer(path: str | os.PathLike, meta: dict, vocab_size: int) -
             f"checkpoint {path}: {TOKENIZER_FILE} has sha256 {digest[:12]}, the manifest says "
             f"{str(entry.get('sha256'))[:12]} (damaged or replaced)"
         )
-    return BPETokenizer(data.decode("utf-8"), repr(str(file)))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"checkpoint {path}: its {TOKENIZER_FILE} is not UTF-8 text") from None
+    return BPETokenizer(text, repr(str(file)))
 
 
 # ---- between peers -----------------------------------------------------------------------------------
