@@ -48,8 +48,8 @@ _Device = _text(64)
 _Precision = _text(16)
 _Version = _text(32)
 _Count = Annotated[int, Strict(), Field(ge=0, lt=2**63)]
-_Rate = Annotated[float, Strict(), Field(ge=0)]  # finite: the model refuses NaN and infinities
-_Loss = Annotated[float, Strict()]
+_Rate = Annotated[float, Strict(), Field(ge=0, le=1e15)]  # finite (no NaN, no infinity), and sums stay finite
+_Loss = Annotated[float, Strict(), Field(ge=-1e6, le=1e6)]  # means over many peers stay finite
 _Time = Annotated[float, Strict(), Field(ge=0)]  # unix time
 _Flag = Annotated[bool, Strict()]
 

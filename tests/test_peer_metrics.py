@@ -150,7 +150,7 @@ def test_peers_table_on_a_terminal_is_a_table(monkeypatch):
         {"loss": float("nan")}, {"tokens_per_s": float("inf")}, {"last_averaging": float("-inf")},
         {"updated_at": float("nan")}, {"name": "x" * 10_000}, {"name": "\x1b[2J\x1b[31mred"}, {"device": "a\nb"},
         {"peer_id": "12D3KooW" + "A" * 100}, {"step": -1}, {"bytes_sent": 2**64}, {"tokens_per_s": -5.0},
-        {"offload": 1}, {"loss": "2.5"},
+        {"offload": 1}, {"loss": "2.5"}, {"tokens_per_s": 1e300}, {"loss": -1e300},
     ],
     ids=lambda changes: next(iter(changes)) + "=" + repr(next(iter(changes.values())))[:12],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from statistics import fmean
@@ -27,6 +28,9 @@ class Chart(Horizontal):
         yield Sparkline([], summary_function=fmean)
 
     def push(self, value: float) -> None:
+        """Add a sample; one that is not a finite number (a diverged loss) is skipped: bars need a scale."""
+        if not math.isfinite(value):
+            return
         self.samples.append(value)
         low, high = min(self.samples), max(self.samples)
         label = f"{self.title} [b]{self.show_value(value)}[/]"
