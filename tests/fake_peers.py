@@ -64,10 +64,13 @@ def flood(host_maddrs: list[str], run_id: str, wires: list[dict], keys: list[RSA
                record_validators=[ManyOwnersSigner(keys)])
     expiration = time.time() + 300
     pending = list(zip(wires, keys, strict=True))
-    for _ in range(3):  # a node under a burst of stores drops some: send those again
-        futures = [(wire, key, node.store(peer_records_key(run_id), wire, expiration, subkey=owner_subkey(key),
-                                          return_future=True)) for wire, key in pending]
-        pending = [(wire, key) for wire, key, future in futures if not future.result()]
+    for _ in range(5):  # a node under a burst of stores drops some: send those again, a few hundred at a time
+        failed = []
+        for start in range(0, len(pending), 200):
+            futures = [(wire, key, node.store(peer_records_key(run_id), wire, expiration, subkey=owner_subkey(key),
+                                              return_future=True)) for wire, key in pending[start : start + 200]]
+            failed += [(wire, key) for wire, key, future in futures if not future.result()]
+        pending = failed
         if not pending:
             return node
     node.shutdown()
