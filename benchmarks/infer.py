@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from tscale_p2p.device import PRECISION_CHOICES, resolve_device
 from tscale_p2p.generate import GenerationEngine, SamplingParams, generate, prepare_for_inference
 from tscale_p2p.model import ModelConfig, Transformer
 
@@ -69,11 +70,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per sequence with the cache")
     parser.add_argument("--recompute-tokens", type=int, default=64, help="tokens generated per sequence by recompute")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--precision", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp8, int8")
+    parser.add_argument("--device", default="auto", help="auto (CUDA where available), cpu, cuda or cuda:N")
+    parser.add_argument("--precision", default="auto", choices=PRECISION_CHOICES, help="auto: bf16 on CUDA, fp32 on CPU")
     args = parser.parse_args()
 
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     cfg = ModelConfig.from_dims(args.dims, window_schedule=args.window_schedule)
     torch.manual_seed(0)
     model = prepare_for_inference(Transformer(cfg), args.device, args.precision)
