@@ -46,9 +46,9 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 # Linears each precision leaves in bf16 by default. The output head is in fp8 too: 2000 steps of the 85M model
-# with it ended 0.43% below bf16 and 0.27% below fp8 with a bf16 head (benchmarks/RESULTS.md, loss parity,
-# fifteenth session). int8 keeps the head in bf16: with an int8 head the same run ended 3.74% above bf16
-# (sixteenth session).
+# with it ended 0.43% below bf16 and 0.27% below fp8 with a bf16 head (benchmarks/RESULTS.md, "Kernels and
+# low-precision training", Loss). int8 keeps the head in bf16: with an int8 head the same comparison ended 3.74%
+# above bf16.
 DEFAULT_SKIP = {"fp8": (), "int8": ("lm_head",)}
 
 

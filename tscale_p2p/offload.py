@@ -256,7 +256,7 @@ class OffloadedAdamW:
         self._grad_jobs: queue.Queue = queue.Queue()
         self._update_jobs: queue.Queue = queue.Queue()
         # Both threads keep torch's thread count, the caller's: each gets an OpenMP team of that size. Splitting
-        # the cores between them measured slower on a 16-core host (benchmarks/RESULTS.md, issue 4).
+        # the cores between them measured slower on a 16-core host (benchmarks/history/offload.md).
         self._threads = [
             threading.Thread(target=self._run, args=(self._grad_jobs, self._accumulate), daemon=True,
                              name="offload-gradients"),
