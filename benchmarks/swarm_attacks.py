@@ -63,7 +63,7 @@ def run_swarm(args, attack: str, honest: int, attackers: int, work: Path) -> dic
                                  start_new_session=True)
     peers = honest + attackers
     flags = [
-        "--data", args.data, "--device", "cpu", "--no-compile", "--batch-size", str(args.batch_size),
+        "--data", args.data, "--tokenizer", "byte", "--device", "cpu", "--no-compile", "--batch-size", str(args.batch_size),
         "--max-steps", str(args.steps), "--steps", str(args.steps), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
         "--matchmaking-time", str(args.matchmaking_time), "--averaging-timeout", "30", "--eval-every", "0",
         "--save-every", "0", "--log-every", "50", "--run-id", "attacked", "--model", args.model,
