@@ -65,6 +65,8 @@ def peers_row(fakes: int, repeats: int) -> dict:
             done = subprocess.run([sys.executable, "-m", "tscale_p2p.cli", "peers", "--json", "--run-id", run_id,
                                    "--initial-peers", *maddrs], capture_output=True, text=True, timeout=600)
             command_s.append(time.perf_counter() - started)
+            if done.returncode != 0:
+                raise SystemExit(f"peers --json failed ({done.returncode}): {done.stderr.strip()[-300:]}")
             try:
                 listed = len(json.loads(done.stdout, parse_constant=_not_json))
             except ValueError:
