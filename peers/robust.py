@@ -152,7 +152,9 @@ def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> 
 def _colluding(parts: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:
     if parts.shape[0] < 3:
         return frozenset()
-    distances = torch.cdist(parts.double(), parts.double())
+    gram = (parts @ parts.T).double()  # pairwise distances from the n x n Gram matrix: one pass over the parts
+    squared = gram.diagonal()
+    distances = (squared.unsqueeze(0) + squared.unsqueeze(1) - 2 * gram).clamp(min=0).sqrt()
     pairs = torch.triu_indices(parts.shape[0], parts.shape[0], offset=1)
     typical = float(distances[pairs[0], pairs[1]].median())
     if typical == 0:
