@@ -7,7 +7,8 @@ newcomer. A downloader (`download_checked_state`, run in the averager's process)
 
 1. takes the base (round, fingerprint) that most offers of this run announce, ties going to the lower round
    (a liar claims a high one), and downloads only from peers that announce it, one after another, the most
-   recently refreshed offer first (the likeliest to be still current);
+   recently refreshed offer first (the likeliest to be still current); peers it has banned (peers/reputation.py)
+   are neither counted nor asked;
 2. refuses a tensor whose declared shape, dtype, encoding or size is not the run's before buffering it, so a
    peer cannot make it hold gigabytes; and
 3. accepts a state only if its metadata is well-formed (`StateMetadata`: a "round" of "abc" no longer crashes
@@ -216,11 +217,14 @@ async def download_checked_state(averager, check: StateCheck) -> tuple[dict, lis
 
 
 def _offers(averager, check: StateCheck) -> dict:
-    """peer id -> its latest signed offer of this run's state (ours excluded)."""
+    """peer id -> its latest signed offer of this run's state (ours, and those of peers we banned, excluded)."""
     own, offers = str(averager.peer_id), {}
     for entry in read_signed(averager.dht, state_offer_record(check.run_id)):
-        if entry.peer_id != own and entry.value.run_hash == check.run_hash:
-            offers.setdefault(entry.peer_id, entry)
+        if entry.peer_id == own or entry.value.run_hash != check.run_hash:
+            continue
+        if averager._is_banned(PeerID.from_base58(entry.peer_id)):  # noqa: SLF001 - see peers/reputation.py
+            continue
+        offers.setdefault(entry.peer_id, entry)
     return offers
 
 

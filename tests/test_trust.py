@@ -9,18 +9,14 @@ import time
 import hivemind
 import pytest
 import torch
-from cryptography.hazmat.primitives.asymmetric import rsa
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.progress import RoundClock, progress_record
-from tscale_p2p.peers.records import owner_subkey, protect, read_signed, signer_for, signing_key, use_identity_key
+from tscale_p2p.peers.records import protect, read_signed, signer_for, signing_key, use_identity_key
 from tscale_p2p.peers.run_config import (
     SignedRun,
     RunConfig,
@@ -30,17 +26,12 @@ from tscale_p2p.peers.run_config import (
 )
 from tscale_p2p.peers.state_download import StateCheck, announce_state, fingerprint, state_offer_record
 
+from record_attacks import FakePeers
+
 pytestmark = [pytest.mark.slow]  # each starts a few DHT nodes (and averagers): seconds, not milliseconds
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 RUN = "trust"
-
-
-class CheapKey(RSAPrivateKey):
-    """A 1024-bit RSA key: what an attacker minting many identities would use (and quick to make in a test)."""
-
-    def __init__(self):  # noqa: D107
-        self._private_key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
 
 
 @pytest.fixture
@@ -189,26 +180,6 @@ def test_the_majority_base_wins_and_ties_go_to_the_lower_round():
     assert majority_base([]) is None
 
 
-class ManyKeys(RSASignatureValidator):
-    """An attacker's signer: signs each record with whichever of its many keys the record's subkey names."""
-
-    def __init__(self, keys: list[RSAPrivateKey]):
-        super().__init__(keys[0])
-        self.owners = {owner_subkey(key): key for key in keys}
-
-    def sign_value(self, record: DHTRecord) -> bytes:
-        for owner, key in self.owners.items():
-            if owner in record.subkey:
-                signature = key.sign(self._serialize_record(record))
-                return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
-        return record.value
-
-    def merge_with(self, other) -> bool:
-        if isinstance(other, ManyKeys):
-            self.owners.update(other.owners)
-        return isinstance(other, RSASignatureValidator)
-
-
 @pytest.mark.timeout(120)
 def test_fake_progress_records_do_not_stall_rounds(nodes):
     """50 fake peers (signed records, each with a key of its own, of zero progress in the current round) stretch a
@@ -218,9 +189,7 @@ def test_fake_progress_records_do_not_stall_rounds(nodes):
     fakes are refused by every node."""
     a_node, b_node = nodes("a"), nodes("b")
     attacker = hivemind.DHT(host_maddrs=LOOPBACK, initial_peers=a_node.get_visible_maddrs(), start=True)
-    keys = [CheapKey() for _ in range(50)]
-    for batch in range(0, len(keys), 10):  # small messages to the DHT's process: large ones can stall its pipe
-        attacker.add_validators([ManyKeys(keys[batch:batch + 10])])
+    fakes = FakePeers(attacker, 50)
     a = RoundClock(a_node, RUN, str(a_node.peer_id), inner_steps=10, every_s=0.2)
     b = RoundClock(b_node, RUN, str(b_node.peer_id), inner_steps=10, every_s=0.2)
     key = progress_record(RUN).key
@@ -229,24 +198,18 @@ def test_fake_progress_records_do_not_stall_rounds(nodes):
         a.update(epoch=0, steps=1, steps_per_s=0.0)
         b._exchange()
 
-        def fake(epoch: int) -> None:
-            value = {"epoch": epoch, "steps": 0, "steps_per_s": 0.0, "time": time.time()}
-            stores = [attacker.store(key, value, get_dht_time() + 30, subkey=owner, return_future=True)
-                      for owner in ManyKeys(keys).owners]
-            assert all(store.result() for store in stores)
-
-        fake(0)
+        assert fakes.claim_progress(RUN, epoch=0)
         now = time.time()
         assert not attacker.store(key, [0, 0, 0.0, now], get_dht_time() + 30, subkey=b"fake-peer")  # unsigned
         assert not attacker.store(key, {"epoch": 0, "steps": 0, "steps_per_s": 0.0, "time": now},
-                                  get_dht_time() + 10**6, subkey=next(iter(ManyKeys(keys[:1]).owners)))
+                                  get_dht_time() + 10**6, subkey=fakes.owners[0])
         a._exchange()
         assert a.peers_in(0) == 52  # b and the fakes: every one is read
         assert not a.round_done(0, 10) and not a.round_done(0, 500)  # a new peer is stalled: 26 x H steps
         a.confirm([str(b_node.peer_id)])  # a has averaged with b
         assert not a.round_done(0, 9) and a.round_done(0, 10)  # H steps, as with b alone
         assert a.live_peers() == 2 + 2  # a, b and at most two newcomers
-        fake(1)  # all fakes "ahead": b is not, so a is not late
+        assert fakes.claim_progress(RUN, epoch=1)  # all fakes "ahead": b is not, so a is not late
         a._exchange()
         assert not a.round_done(0, 1) and a.round_done(0, 10)
     finally:
