@@ -776,8 +776,7 @@ class _RobustPartReducer(TensorPartReducer):
     thread: the event loop keeps streaming meanwhile). `flagged` collects the senders the rule flagged, by index.
     """
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, own_sender: Optional[int] = None):
-        self.own_sender = own_sender  # our own index among the senders (the robust rule trusts it, of two)
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int):
         self._contributions: dict[int, tuple[torch.Tensor, float]] = {}
         self._finishing = False
         self.flagged: dict[int, str] = {}  # sender index -> why (the first reason it was flagged for)
@@ -831,8 +830,7 @@ class _RobustPartReducer(TensorPartReducer):
         senders = sorted(contributions)
         parts = torch.stack([contributions[i][0].reshape(-1).float() for i in senders])
         tokens = torch.tensor([contributions[i][1] for i in senders], dtype=torch.float64)
-        own = senders.index(self.own_sender) if self.own_sender in senders else None
-        result = robust_aggregate(parts, tokens, own)
+        result = robust_aggregate(parts, tokens)
         for k in result.far:
             self.flagged.setdefault(senders[k], "a part far from the group's")
         for k in result.colluding:
@@ -870,8 +868,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         )
         self.median_tokens = high_median(torch.tensor(list(group_tokens) or [self.weight], dtype=torch.float64))
         hivemind_reducer, self.tensor_part_reducer = self.tensor_part_reducer, self.part_reducer_type(
-            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
-            *([self.sender_peer_ids.index(self.peer_id)] if self.peer_id in self.sender_peer_ids else []),
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
         )
         hivemind_reducer.finished.set()  # never used: finished, so that it does not report missing parts
         self.banned = frozenset(banned) & set(self.ordered_peer_ids) - {self.peer_id}

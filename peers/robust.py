@@ -15,8 +15,6 @@ The verdict flags contributions that no honest peer would send, for reputation (
 - **far:** further from the result than `FAR_RATIO` times the median distance *and* than its own share of the
   result allows (a peer that trained on more tokens may have moved further). A late joiner a few steps into its
   round sends a small update: it lies near zero, within one result's length, and is never flagged.
-- **far**, of two (no majority): the reducer trusts its own contribution, clips the other's pull at 1.5x its
-  own length (half that, weights capped at its own claim) and flags it beyond 3x that (`_against_own`).
 - **colluding:** two contributions much closer to each other than peers that train independently ever are
   (independent updates in high dimension are all about equally far apart; a pair that shifts the result
   together, as "A Little Is Enough" does, sends one vector, or two near it), as long as they are a minority of
@@ -36,7 +34,6 @@ FAR_RATIO = 3.0  # "far": beyond this times the median distance to the result (h
 FAR_TOKEN_ALLOWANCE = 4.0  # a peer with k times the median tokens may lie up to (1 + k) results away, k <= this
 COLLUSION_DISTANCE = 0.25  # "colluding": two contributions closer than this times the median pairwise distance
 SMALL_SHARE = 0.5  # a contribution shorter than this times the result is never taken for a colluder
-OWN_RADIUS = 1.5  # of two, the other may pull ours this times our length (honest pairs: ~1x, at cosine 0.5)
 
 
 @dataclass(frozen=True)
@@ -86,16 +83,12 @@ def centered_clip(parts: torch.Tensor, weights: torch.Tensor, start: torch.Tenso
     return centre
 
 
-def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor, own: int | None = None) -> RobustResult:
-    """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`; `own` is
-    the row of the reducer's own contribution, if it is one.
+def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
+    """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`.
 
     Flagged contributions are left out of the result: first the far ones, then, among the rest, colluding ones.
-    Two contributions have no majority: then the reducer trusts its own (`_against_own`).
     """
     tokens = tokens.to(torch.float64)
-    if parts.shape[0] == 2 and own is not None:
-        return _against_own(parts, tokens, own)
     kept = list(range(parts.shape[0]))
     aggregate = _clipped_mean(parts, tokens)
     far = _far(parts, tokens, aggregate)
@@ -118,24 +111,6 @@ def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     start = coordinate_median(parts)
     tau = TAU_FACTOR * float((parts - start).norm(dim=1).median())
     return start if tau == 0 else centered_clip(parts, weights, start, tau)
-
-
-def _against_own(parts: torch.Tensor, tokens: torch.Tensor, own: int) -> RobustResult:
-    """Two contributions, ours and another: one step of CenteredClip from ours (more would walk on to the other's
-    side), radius OWN_RADIUS times our length, the other's weight capped at our claim, so it moves ours by at most
-    0.75x our length (a reducer just past a state download, its update small, moves its span little this round:
-    the price of not letting a claim of many tokens decide). The other is far beyond FAR_RATIO times that radius,
-    judged only when our claim is at least half the other's (too small an update is nothing to judge by)."""
-    other = 1 - own
-    tau = OWN_RADIUS * float(parts[own].norm())
-    weights = tokens.clamp(min=0.0, max=max(float(tokens[own]), 0.0))
-    if tau == 0 or float(weights.sum()) == 0:
-        return RobustResult(parts[own].clone(), frozenset(), frozenset())
-    pull = parts[other] - parts[own]
-    distance = float(pull.norm())
-    aggregate = parts[own] + float(weights[other] / weights.sum()) * min(1.0, tau / max(distance, 1e-30)) * pull
-    far = distance > FAR_RATIO * tau and float(tokens[own]) >= float(tokens[other]) / 2
-    return RobustResult(aggregate, frozenset({other}) if far else frozenset(), frozenset())
 
 
 def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:

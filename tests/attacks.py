@@ -78,13 +78,8 @@ class TwoFacedReducer(LyingReducer):
 
 TwoFacedReducer.__name__ = "SwarmAverager"
 
-class _MeanReducer(TensorPartReducer):
-    def __init__(self, part_shapes, num_senders, own_sender=None):  # hivemind's takes no own_sender
-        super().__init__(part_shapes, num_senders)
-
-
 class _MeanRunner(_OneBitAllReduceRunner):
-    part_reducer_type = _MeanReducer
+    part_reducer_type = TensorPartReducer
 
 
 class PlainMean(SwarmAverager):

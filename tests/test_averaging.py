@@ -175,8 +175,7 @@ class HugeNorm(OneBitCodec):
 def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
     codecs = [OneBitCodec(), OneBitCodec(), NaNScales(), WrongShape(), HugeNorm()]
     grads = [random_grads(seed) for seed in range(len(codecs))]
-    # Equal claims: with two contributions left, each reducer weighs the other's at most as much as its own.
-    tokens = [1000.0, 1000.0, 1000.0, 1000.0, 1000.0]
+    tokens = [1000.0, 3000.0, 1000.0, 1000.0, 1000.0]
     honest = expected_first_round(grads[:2], tokens[:2])
     # ~17 parts of 512 values: a few per peer; senders carry half their residual into the next round
     with swarm(codecs, part_size_bytes=64, residual_carry=0.5) as averagers:
@@ -207,9 +206,7 @@ def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
 
 def test_a_peer_with_far_fewer_tokens_keeps_the_groups_average():
     """Just after a state download a peer may be a few steps into its round while the others are at its end:
-    its pseudo-gradient is ~200x smaller. Norm bounds scale with tokens, so nobody is dropped. Of two, a reducer
-    trusts its own part (peers/robust.py): the other's span holds the group's average, the small peer's own span
-    moves by little this round (a claim of many tokens must not decide)."""
+    its pseudo-gradient is ~200x smaller. Norm bounds scale with tokens, so nobody is dropped."""
     tokens = [100.0, 5000.0]
     grads = [[g * 0.005 for g in random_grads(0)], random_grads(1)]
     with swarm([OneBitCodec(), OneBitCodec()]) as averagers:
@@ -218,13 +215,7 @@ def test_a_peer_with_far_fewer_tokens_keeps_the_groups_average():
         assert outcome.error is None and outcome.group_size == 2 and outcome.dropped_peers == 0
     for got, want in zip(*(outcome.averaged for outcome in outcomes)):
         assert torch.equal(got, want)
-    got = torch.cat([t.reshape(-1) for t in outcomes[0].averaged])
-    want = torch.cat([t.reshape(-1) for t in expected_first_round(grads, tokens)])
-    small_span = got.abs() < 0.1 * want.abs().mean()
-    assert 0.2 < float(small_span.float().mean()) < 0.8
-    assert float((got - want)[~small_span].norm() / want[~small_span].norm()) < 1e-2
-    small = torch.cat([t.reshape(-1) for t in grads[0]])
-    assert float(got[small_span].norm()) <= 1.75 * float(small[small_span].norm())  # ours + half of 1.5x ours
+    assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
 
 
 def test_a_round_scheduled_ahead_averages_one_all_reduce_after_it_starts():
