@@ -42,7 +42,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from tscale_p2p.peers.swarm_state import SwarmState, read_state_file, saved_state_file
 
 from tscale_p2p.checkpoint import resume_from
 from tscale_p2p.config import TrainConfig
@@ -236,9 +236,7 @@ def _wait_for(log: Path, pattern: str, process: subprocess.Popen, timeout: float
 
 def _global_weights(out: Path, args) -> dict[str, torch.Tensor]:
     names = [n for n, _ in trainer_for(args, args.batch_size, 0).model.named_parameters()]
-    with safe_open(out / "swarm-state.safetensors", framework="pt") as handle:
-        tensors = [handle.get_tensor(key) for key in sorted(handle.keys())]
-    return dict(zip(names, tensors[: len(names)]))
+    return SwarmState.from_wire(*read_state_file(saved_state_file(out)), names=names).weights
 
 
 def _local_loss(out: Path, args) -> float:

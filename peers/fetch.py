@@ -1,7 +1,7 @@
 """The swarm's current model, fetched from a live peer for inference (`tscale-peer infer/serve --initial-peers`).
 
 A dial-out-only DHT node reads the run's published config, then downloads what a joiner downloads (the global
-weights and outer momentum that `SwarmPeer.shared_state` serves, with the run's tokenizer) and keeps the weights.
+weights and outer momentum of a `SwarmState`, peers/swarm_state.py, with the run's tokenizer) and keeps the weights.
 Nothing is trained and nothing is shared back. `fetch_run_tokenizer` does the same for a joiner that lacks the
 run's tokenizer.
 """
@@ -22,6 +22,7 @@ from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.network import NetworkOptions, peer_ids_in, start_dht
 from tscale_p2p.peers.run_config import RunConfig, averaging_prefix, fetch_run_config
 from tscale_p2p.peers.state_download import StateCheck
+from tscale_p2p.peers.swarm_state import SwarmState
 from tscale_p2p.progress import long_work
 from tscale_p2p.tokenizer import BPETokenizer, Tokenizer, from_wire
 
@@ -76,12 +77,11 @@ def fetch_swarm_model(initial_peers: Sequence[str], run_id: str, timeout: float 
                 template = dict(Transformer(config).named_parameters())
             total = 2 * 4 * sum(p.numel() for p in template.values())  # fp32 weights + fp32 outer momentum
             work.update(total=total, description=f"downloading the model of run {run_id!r} ({config.dims})")
-            fetched = _download_weights(dht, run_id, run, template, deadline)
-            if fetched is None:
+            state = _download_state(dht, run_id, run, template, deadline)
+            if state is None:
                 raise UserError(f"{where}: no live peer shared the run's model within {timeout:g} s")
-            weights, metadata = fetched
-            model = SwarmModel(run_id, config, weights, int(metadata.get("round", 0)), int(metadata.get("step", 0)),
-                               _tokenizer_of(run, metadata, where))
+            model = SwarmModel(run_id, config, state.weights, state.round, state.step,
+                               _tokenizer_of(run, state.tokenizer, where))
             work.update(completed=total,
                         description=f"downloaded run {run_id!r} ({config.dims}) at round {model.round}")
         finally:
@@ -95,21 +95,22 @@ def fetch_run_tokenizer(dht, run_id: str, run: RunConfig, timeout: float = 60.0)
     with torch.device("meta"):
         template = dict(Transformer(run.model_config).named_parameters())
     log.info("fetching the tokenizer of run %r from a live peer", run_id)
-    fetched = _download_weights(dht, run_id, run, template, time.monotonic() + timeout)
-    if fetched is None:
+    state = _download_state(dht, run_id, run, template, time.monotonic() + timeout)
+    if state is None:
         raise UserError(f"run {run_id!r}: no live peer shared the run's tokenizer within {timeout:g} s")
-    return _tokenizer_of(run, fetched[1], f"run {run_id!r}'s peer")
+    return _tokenizer_of(run, state.tokenizer, f"run {run_id!r}'s peer")
 
 
-def _tokenizer_of(run: RunConfig, metadata: dict, where: str) -> Tokenizer | None:
-    """The run's tokenizer: bytes, an unknown one (.bin runs), or the BPE that came with a downloaded state."""
+def _tokenizer_of(run: RunConfig, packed: str | None, where: str) -> Tokenizer | None:
+    """The run's tokenizer: bytes, an unknown one (.bin runs), or the BPE that came `packed` with a downloaded
+    state."""
     if run.tokenizer == "byte":
         return ByteTokenizer()
     if not run.tokenizer.startswith("bpe-"):
         return None
-    if "tokenizer" not in metadata:
+    if packed is None:
         raise UserError(f"{where} sent its state without the run's tokenizer ({run.tokenizer[:16]})")
-    return from_wire(metadata["tokenizer"], run.tokenizer, where)
+    return from_wire(packed, run.tokenizer, where)
 
 
 def _wait_for_run_config(dht, run_id: str, trusted: frozenset[str], deadline: float) -> RunConfig | None:
@@ -120,11 +121,11 @@ def _wait_for_run_config(dht, run_id: str, trusted: frozenset[str], deadline: fl
         time.sleep(1.0)
 
 
-def _download_weights(
+def _download_state(
     dht, run_id: str, run: RunConfig, template: dict[str, torch.Tensor], deadline: float
-) -> tuple[dict[str, torch.Tensor], dict] | None:
-    """(weights, metadata) of the state most peers offer, from the first of them whose state fits the run (see
-    peers/state_download.py), retrying until `deadline`; else None."""
+) -> SwarmState | None:
+    """The state most peers offer, from the first of them whose state fits the run (see peers/state_download.py),
+    retrying until `deadline`; else None."""
     # Downloading needs only the averager's state RPC: one value to "average" is enough; sharing peers
     # declare themselves under the run's averaging prefix.
     check = StateCheck.of(run_id, run, list(template.values()))
@@ -137,8 +138,7 @@ def _download_weights(
                 time.sleep(0.1)
             state = future.result() if future.done() else None
             if state is not None and check.problem(*state) is None:  # checked in the download; again, it is cheap
-                metadata, tensors = state
-                return dict(zip(template, tensors)), metadata
+                return SwarmState.from_wire(*state, names=list(template))
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         return None
     finally:

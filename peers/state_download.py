@@ -18,11 +18,10 @@ newcomer. A downloader (`download_checked_state`, run in the averager's process)
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import pydantic
 import torch
@@ -35,27 +34,13 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from tscale_p2p.errors import UserError
 from tscale_p2p.peers.records import ProtectedKey, RecordModel, protect, read_signed, store_signed
+from tscale_p2p.peers.swarm_state import FINGERPRINT, STATE_FORMAT, StateMetadata, fingerprint
 from tscale_p2p.tokenizer import from_wire
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = 1
-FINGERPRINT_VALUES = 2**20  # weights hashed per fingerprint: an outer step changes every weight, so a sample
-# finds any difference between two peers' global weights at a cost that does not grow with the model
 OFFER_TTL_S = 60.0  # re-announced every few seconds while a peer shares its state
 MAX_METADATA_BYTES = 64 * 2**20  # the metadata carries a BPE tokenizer.json, packed
-FINGERPRINT = r"^[0-9a-f]{12}$"
-
-
-def fingerprint(weights: Sequence[torch.Tensor]) -> str:
-    """A short digest of global weights: peers that applied the same rounds print the same one. Hashes an evenly
-    spaced sample of FINGERPRINT_VALUES weights (every weight of a small model)."""
-    total = sum(t.numel() for t in weights)
-    stride = max(1, total // FINGERPRINT_VALUES)
-    digest = hashlib.sha256()
-    for tensor in weights:
-        digest.update(tensor.reshape(-1)[::stride].contiguous().numpy().tobytes())
-    return digest.hexdigest()[:12]
 
 
 class StateOffer(RecordModel):
@@ -64,20 +49,6 @@ class StateOffer(RecordModel):
     run_hash: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$")
     round: int = pydantic.Field(ge=0, lt=2**40)
     weights: str = pydantic.Field(pattern=FINGERPRINT)
-
-
-class StateMetadata(pydantic.BaseModel):
-    """The metadata of a shared state (`SwarmPeer.shared_state`), as a downloader accepts it."""
-
-    model_config = pydantic.ConfigDict(strict=True, extra="ignore", frozen=True)
-
-    format: int
-    run_hash: str
-    round: int = pydantic.Field(ge=0, lt=2**40)
-    step: int = pydantic.Field(default=0, ge=0, lt=2**40)
-    weights: str = pydantic.Field(pattern=FINGERPRINT)
-    schedule_origin: int = pydantic.Field(default=0, ge=0, lt=2**40)
-    tokenizer: Optional[str] = None  # a BPE run's tokenizer.json, packed (`tscale_p2p.tokenizer.to_wire`)
 
 
 def state_offer_record(run_id: str) -> ProtectedKey:

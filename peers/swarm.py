@@ -3,11 +3,11 @@ the next round trains, and applies the outer update as soon as the average arriv
 progress made meanwhile.
 
 The loop talks to the trainer only through `local_step()`, `snapshot()` and `apply_outer_update()`, and to
-the network only through `SwarmAverager` (peers/averaging.py) and `SwarmMetrics`. The outer step and the
-correction for the local progress are `OuterOptimizer` and `DelayedOuterStep` (peers/outer.py).
-
-Outer state: the global weights (what every peer agrees the model is after the last outer step) and the
-Nesterov momentum of the outer SGD. They are what a joining peer downloads.
+the network only through a `RoundAverager` (`SwarmAverager`, peers/averaging.py), the round clock
+(`RoundClock`, peers/progress.py) and `SwarmMetrics`. When to end, schedule, give up or resync a round is
+decided by `RoundSchedule` (peers/schedule.py); the outer step and the correction for the local progress are
+`OuterOptimizer` and `DelayedOuterStep` (peers/outer.py); the outer state a joiner downloads and a checkpoint
+keeps is a `SwarmState` (peers/swarm_state.py).
 
 The trainer never waits for the network: a round ends when the swarm has made H steps per peer (`RoundClock`,
 peers/progress.py: all peers end it at about the same moment, so they meet in one group) *and* once the
@@ -27,39 +27,66 @@ hence cheap) and keeps its local progress on top of it.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from tscale_p2p import __version__
-from tscale_p2p.atomic import atomic_file
-from tscale_p2p.peers.averaging import PendingRound, RoundOutcome, SwarmAverager
+from tscale_p2p.peers.averaging import RoundOutcome
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.progress import RoundClock
 from tscale_p2p.peers.run_config import RunConfig, SignedRun, publish_run_config
-from tscale_p2p.peers.state_download import STATE_FORMAT, StateCheck, announce_state, fingerprint
+from tscale_p2p.peers.schedule import Base, LastSteps, Resync, RoundSchedule, group_consensus, resync_plan
+from tscale_p2p.peers.state_download import StateCheck, announce_state
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus
+from tscale_p2p.peers.swarm_state import SWARM_STATE_FILE, SwarmState, fingerprint, read_state_file
 from tscale_p2p.trainer import Trainer
 from tscale_p2p.tokenizer import BPETokenizer, to_wire
 
 log = logging.getLogger(__name__)
 
-SWARM_STATE_FILE = "swarm-state.safetensors"
 CONFIG_REFRESH_S = 3600.0
 RESYNC_TIMEOUT_S = 60.0
 
-Base = tuple[int, str]  # (outer round, fingerprint) of the global weights a pseudo-gradient was formed on
+
+class PendingAverage(Protocol):
+    """A round averaging in the background (`averaging.PendingRound` is the real one)."""
+
+    def done(self) -> bool: ...
+
+    def give_up_if_alone(self, after_s: float) -> bool: ...
+
+    def result(self, timeout: Optional[float] = None) -> RoundOutcome: ...
+
+
+class RoundAverager(Protocol):
+    """What the loop uses of its averager (`averaging.SwarmAverager` is the real one; see its docstrings)."""
+
+    matchmaking_time: float
+    round_timeout: float
+    client_mode: bool
+    allow_state_sharing: bool
+    state_sharing_priority: float
+    banned_count: int
+    round_scheduled: bool
+
+    def schedule_round(self, seconds_to_start: float, tokens: float, metadata: Any = None,
+                       group_size: Optional[int] = None) -> None: ...
+
+    def cancel_scheduled_round(self) -> None: ...
+
+    def start_round(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, metadata: Any = None,
+                    group_size: Optional[int] = None) -> PendingAverage: ...
+
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None): ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -79,33 +106,21 @@ class _InFlight:
     """A round whose average has not been applied yet."""
 
     number: int
-    pending: PendingRound
+    pending: PendingAverage
     pseudo_gradient: dict[str, torch.Tensor]
     base: Base
 
 
-def group_consensus(metadata: Sequence[object]) -> Base | None:
-    """The base most members of an averaging group declared (ties: the later round, then the smaller
-    fingerprint, so every member picks the same one); None if nobody declared a well-formed base."""
-    bases = []
-    for item in metadata:
-        if isinstance(item, dict) and isinstance(item.get("round"), int) and isinstance(item.get("weights"), str):
-            bases.append((item["round"], item["weights"]))
-    if not bases:
-        return None
-    counts = Counter(bases)
-    return min(counts, key=lambda base: (-counts[base], -base[0], base[1]))
-
-
 class SwarmPeer:
-    """Runs the rounds of one peer until `max_steps`, the run's last step, or a stop request."""
+    """Runs the rounds of one peer until `max_steps`, the run's last step, or a stop request.
 
-    STATE_FORMAT = STATE_FORMAT
+    `averager_factory(template, state_source)` makes its `RoundAverager`; `clock` is the round clock (by default
+    a `RoundClock` on the metrics' DHT)."""
 
     def __init__(
         self,
         trainer: Trainer,
-        averager_factory,
+        averager_factory: Callable[[list[torch.Tensor], Callable], RoundAverager],
         metrics: SwarmMetrics,
         identity: SwarmIdentity,
         status: LocalStatus,
@@ -114,9 +129,10 @@ class SwarmPeer:
         signed_run: SignedRun | None = None,  # the founder-signed config this peer re-publishes
         max_steps: int | None = None,
         publish_every_s: float = 5.0,
+        clock: RoundClock | None = None,
     ) -> None:
         self.trainer, self.metrics, self.identity, self.status = trainer, metrics, identity, status
-        self.run_config, self.inner_steps, self.run_hash = run, run.inner_steps, run.hash
+        self.run_config, self.run_hash = run, run.hash
         self.signed_run = signed_run
         self.max_steps, self.publish_every_s = max_steps, publish_every_s
         tokenizer = trainer.corpus.tokenizer
@@ -133,7 +149,7 @@ class SwarmPeer:
         self._state_lock = threading.Lock()  # guards outer state + round for get_current_state's thread
         self._fingerprint = self.weights_fingerprint()  # of the global weights, refreshed when they change
         self.state_check = StateCheck.of(identity.run_id, run, list(self.outer.weights.values()))
-        self.averager: SwarmAverager = averager_factory(list(self.outer.weights.values()), self.shared_state)
+        self.averager: RoundAverager = averager_factory(list(self.outer.weights.values()), self.shared_state)
         self.bytes_sent = self.bytes_received = 0
         self.last_averaging: float | None = None
         self.tokens_contributed = 0
@@ -141,30 +157,30 @@ class SwarmPeer:
         self._in_flight: _InFlight | None = None
         self._stop_publishing = threading.Event()
         self._publisher = threading.Thread(target=self._publish_loop, name="swarm-metrics", daemon=True)
-        self.clock = RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
+        self.clock = clock or RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
+        self.schedule = RoundSchedule(self.clock, self.averager.matchmaking_time)
         self.training_s = self.wall_s = 0.0  # for the busy fraction while training
         self.drain_s = 0.0  # waiting for the round in flight when leaving
 
     # ---- state shared with joiners (called from hivemind's background thread) ----
 
-    def shared_state(self) -> tuple[dict, list[torch.Tensor]]:
-        """(metadata, tensors) a joiner downloads: the global weights then the outer momentum, plus round and step."""
+    def state(self) -> SwarmState:
+        """A copy of this peer's outer state: the global weights, the outer momentum, round and step."""
         with self._state_lock:
-            metadata = {
-                "format": self.STATE_FORMAT,
-                "run_hash": self.run_hash,
-                "round": self.round,
-                "step": self.trainer.step,
-                "weights": self._fingerprint,
-                "schedule_origin": self.schedule_origin,
-            }
-            if self._tokenizer_wire is not None:  # a joiner adopts the run's tokenizer from here
-                metadata["tokenizer"] = self._tokenizer_wire
-            state = self.outer.state_dict()  # a copy
-        weights = [state["weights"][n] for n in self.names]
-        buffers = [state["optimizer"]["state"].get(i, {}).get("momentum_buffer") for i in range(len(weights))]
-        tensors = weights + [torch.zeros_like(w) if m is None else m for w, m in zip(weights, buffers)]
-        return metadata, tensors
+            outer = self.outer.state_dict()  # a copy
+            step, round_number, origin, weights = self.trainer.step, self.round, self.schedule_origin, self._fingerprint
+        buffers = outer["optimizer"]["state"]
+        momentum = {name: buffers.get(i, {}).get("momentum_buffer") for i, name in enumerate(self.names)}
+        return SwarmState(
+            run_hash=self.run_hash, round=round_number, step=step, schedule_origin=origin,
+            weights={n: outer["weights"][n] for n in self.names},
+            momentum={n: torch.zeros_like(outer["weights"][n]) if m is None else m for n, m in momentum.items()},
+            tokenizer=self._tokenizer_wire, fingerprint=weights,
+        )
+
+    def shared_state(self) -> tuple[dict, list[torch.Tensor]]:
+        """(metadata, tensors) a joiner downloads (`SwarmState.to_wire`); called from hivemind's thread."""
+        return self.state().to_wire()
 
     def adopt_state(self, metadata: object, tensors: list[torch.Tensor]) -> bool:
         """Take a downloaded (or saved) state as our own and train from its global weights; False (and a
@@ -179,19 +195,18 @@ class SwarmPeer:
 
     def _load_state(self, metadata: object, tensors: list[torch.Tensor]) -> bool:
         """Validate a state and make its global weights, momentum and round ours (the trainer is not touched)."""
-        count = len(self.names)
         problem = self.state_check.problem(metadata, tensors)
         if problem is not None:
             log.warning("ignoring the downloaded state: %s", problem)
             return False
+        state = SwarmState.from_wire(metadata, tensors, self.names)
         optimizer = self.outer.state_dict()["optimizer"]
-        optimizer["state"] = {i: {"momentum_buffer": tensors[count + i].float()} for i in range(count)}
+        optimizer["state"] = {i: {"momentum_buffer": state.momentum[n]} for i, n in enumerate(self.names)}
         with self._state_lock:
-            self.outer.load_state_dict({"weights": dict(zip(self.names, tensors[:count])), "optimizer": optimizer})
-            self.round = metadata["round"]
-            self.schedule_origin = metadata.get("schedule_origin", 0)  # absent from the states of older versions
+            self.outer.load_state_dict({"weights": state.weights, "optimizer": optimizer})
+            self.round, self.schedule_origin = state.round, state.schedule_origin
             self._fingerprint = self.weights_fingerprint()
-        self.clock.confirm([metadata.get("donor", "")])  # the peer the majority's state came from
+        self.clock.confirm([state.donor])  # the peer the majority's state came from
         return True
 
     def _restart_round_from_global_weights(self) -> None:
@@ -218,28 +233,18 @@ class SwarmPeer:
     # ---- on disk, beside the trainer's checkpoints ----
 
     def save(self) -> Path:
-        """The trainer's checkpoint, then the outer state (global weights, momentum, round) in OUT/swarm-state.safetensors."""
-        path = self.trainer.save(self.trainer.cfg.out)
-        metadata, tensors = self.shared_state()
-        with atomic_file(Path(self.trainer.cfg.out) / SWARM_STATE_FILE) as temporary:
-            save_file(
-                {f"{i:05d}": t.contiguous() for i, t in enumerate(tensors)},
-                temporary,
-                metadata={"state": json.dumps(metadata)},
-            )
-        return path
+        """The trainer's checkpoint with the outer state in it (`SWARM_STATE_FILE`), in one atomic write."""
+        return self.trainer.save(self.trainer.cfg.out, extra_files={SWARM_STATE_FILE: self.state().write})
 
     def load_saved_state(self) -> bool:
-        """Adopt OUT/swarm-state.safetensors if it exists and fits this run (after a local resume)."""
-        path = Path(self.trainer.cfg.out) / SWARM_STATE_FILE
-        if not path.exists():
+        """Adopt the outer state saved in the checkpoint the trainer resumed from, if it has one that fits this
+        run."""
+        if self.trainer.resumed_from is None or not (self.trainer.resumed_from / SWARM_STATE_FILE).exists():
             return False
         try:
-            with safe_open(path, framework="pt") as handle:
-                metadata = json.loads(handle.metadata()["state"])
-                tensors = [handle.get_tensor(key) for key in sorted(handle.keys())]
-        except (OSError, ValueError, KeyError, SafetensorError) as error:
-            log.warning("ignoring %s: %s", path, error)
+            metadata, tensors = read_state_file(self.trainer.resumed_from / SWARM_STATE_FILE)
+        except ValueError as error:
+            log.warning("ignoring the saved swarm state: %s", error)
             return False
         metadata["step"] = self.trainer.step  # the trainer's own checkpoint knows its step best
         return self.adopt_state(metadata, tensors)
@@ -277,7 +282,7 @@ class SwarmPeer:
                 epoch = self.round + (self._in_flight is not None)
                 steps_per_s = steps_in_round / (time.perf_counter() - round_start)
                 self.clock.update(epoch, steps_in_round, steps_per_s)
-                if self._in_flight is None and self.clock.round_done(epoch, steps_in_round):
+                if self._in_flight is None and self.schedule.round_ends(epoch, steps_in_round):
                     self._end_round(time.perf_counter() - round_start)
                     steps_in_round, round_start = 0, time.perf_counter()
                 elif self._in_flight is None and not self.averager.round_scheduled:
@@ -316,33 +321,28 @@ class SwarmPeer:
         self.averager.shutdown()
 
     def _wait_for_the_swarms_round_end(self, steps_in_round: int, round_start: float) -> bool:
-        """The run is over in the middle of a round: wait, without training, until the swarm ends the round (or
-        nobody trains towards it any more), so that the last steps are averaged in the others' group instead of
-        alone; meanwhile it takes part in the round's matchmaking like the others (a peer that began it only at
-        the round's end found their group formed without it). At most the averaging timeout.
-
-        False when the round ends with fewer than H steps in all: then every peer keeps its last steps local. An
-        outer step on so little work would mostly repeat the momentum's lookahead, and the peers that ran out of
-        steps at the previous round's end would not take it: the global weights would end different (measured:
-        0.5% worse val loss for the peers that took it, benchmarks/RESULTS.md)."""
+        """The run is over in the middle of a round: wait, without training, for `RoundSchedule.last_steps` to say
+        whether to average the last steps (True) or keep them local (False), at most the averaging timeout;
+        meanwhile take part in the round's matchmaking like the others (a peer that began it only at the round's
+        end found their group formed without it)."""
         epoch = self.round
         self.clock.update(epoch, steps_in_round, 0.0)  # others must not count on steps we no longer make
         deadline = time.monotonic() + self.averager.round_timeout
         if not self.clock.others_idle(epoch):
             log.info("run over after %d steps of round %d: waiting up to %.0f s for the swarm's round end to average "
                      "them", steps_in_round, epoch + 1, self.averager.round_timeout)
-        while not (self.clock.round_done(epoch, steps_in_round) or self.clock.others_idle(epoch)):
-            if time.monotonic() > deadline or self.status.stop_requested.is_set():
-                return True
+        while True:
+            timed_out = time.monotonic() > deadline or self.status.stop_requested.is_set()
+            verdict = self.schedule.last_steps(epoch, steps_in_round, time.time(), timed_out)
+            if verdict is not LastSteps.WAIT:
+                break
             if not self.averager.round_scheduled:
                 self._maybe_schedule_round(epoch, steps_in_round, 0.0, time.perf_counter() - round_start)
             time.sleep(0.2)
-        swarm_steps = self.clock.collective_steps(epoch, steps_in_round, time.time())
-        if swarm_steps >= self.inner_steps:
-            return True
-        log.info("run over after %d steps of round %d, %d in all by the swarm's peers: keeping them local",
-                 steps_in_round, epoch + 1, swarm_steps)
-        return False
+        if verdict is LastSteps.KEEP_LOCAL:
+            log.info("run over after %d steps of round %d, %d in all by the swarm's peers: keeping them local",
+                     steps_in_round, epoch + 1, self.clock.collective_steps(epoch, steps_in_round, time.time()))
+        return verdict is LastSteps.AVERAGE
 
     def _should_stop(self, session_steps: int, steps_in_round: int) -> bool:
         """Stop requested, --max-steps local steps made, or the swarm's schedule at the run's last step (not this
@@ -360,32 +360,15 @@ class SwarmPeer:
         return self.clock.schedule_step(self.schedule_origin, epoch, steps_in_round)
 
     def _maybe_schedule_round(self, epoch: int, steps_in_round: int, steps_per_s: float, round_s: float) -> None:
-        """Within one matchmaking window of the round's end, begin matchmaking: the group then forms while the
-        last steps train, and the average arrives one all-reduce after the round ends. Not for rounds no longer
-        than the window (`round_s` so far plus what is left), where it would begin as the previous round ends:
-        with it, CI's swarm tests (rounds of 5 steps, well under the window) turned flaky, two failures in two
-        runs whose cause is not pinned down; such short rounds gain little from it anyway."""
-        seconds = self.clock.seconds_to_round_end(epoch, steps_in_round, steps_per_s)
-        window = self.averager.matchmaking_time
-        if seconds > window or round_s + seconds <= window:
+        """Begin matchmaking now if `RoundSchedule.matchmaking_lead` says so."""
+        seconds = self.schedule.matchmaking_lead(epoch, steps_in_round, steps_per_s, round_s)
+        if seconds is None:
             return
         expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
         self.averager.schedule_round(
             seconds, tokens=expected_tokens, metadata=self._base_metadata(),
-            group_size=self._expected_group_size(round_s + seconds),
+            group_size=self.schedule.group_size(round_s + seconds),
         )
-
-    def _expected_group_size(self, round_s: float) -> int | None:
-        """The group to expect for a round that has lasted `round_s` seconds: every live peer the round clock
-        sees, so that the average starts once they are all in, not when the matchmaking window closes (on the
-        H200 benchmark that window made every average a whole round late).
-
-        None (wait out the window, hivemind's default) for a peer that sees nobody, and for rounds shorter than
-        two of the clock's record periods: there the records lag whole rounds, peers drift apart, and the
-        window is what gathers them (measured: with 5-step rounds in tests/test_swarm.py, groups formed at
-        once split the swarm into pairs and forced 5-9 state re-downloads a run, against none)."""
-        peers = self.clock.live_peers()
-        return peers if peers > 1 and round_s >= 2 * self.clock.every_s else None
 
     def _base(self) -> Base:
         """The global weights this round's update is based on."""
@@ -405,7 +388,7 @@ class SwarmPeer:
         try:
             pending = self.averager.start_round(
                 [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata(),
-                group_size=self._expected_group_size(round_s),
+                group_size=self.schedule.group_size(round_s),
             )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)
@@ -448,12 +431,10 @@ class SwarmPeer:
             log.debug("state download failed: %r", error)
             state = None
         metadata = state[0] if state is not None else None
-        donor_round = metadata.get("round") if isinstance(metadata, dict) else None
-        # The donor may or may not have applied this round's average yet; we want the state after it.
-        behind_by_one = donor_round == consensus[0] and metadata.get("weights") == consensus[1]
-        if not (isinstance(donor_round, int) and (behind_by_one or donor_round > consensus[0])):
+        plan = resync_plan(consensus, metadata)
+        if plan is Resync.STAY:
             log.warning("round %d: no peer shared the group's state (got round %s); staying out of step for now",
-                        flight.number, donor_round)
+                        flight.number, metadata.get("round") if isinstance(metadata, dict) else None)
             self._advertise_state()
             return
         if not self._load_state(*state):
@@ -461,7 +442,7 @@ class SwarmPeer:
             return
         progress = self.rounds.local_progress(self.trainer.snapshot())
         with self._state_lock:
-            if behind_by_one:
+            if plan is Resync.ADOPT_AND_STEP:  # the donor had not applied this round's average yet
                 self.outer.step(average)
                 self.round += 1
                 self._fingerprint = self.weights_fingerprint()
@@ -528,13 +509,11 @@ class SwarmPeer:
             time.sleep(0.1)
 
     def _give_up_round_if_alone(self) -> bool:
-        """Cancel the round in flight if it is still looking for a group twice its matchmaking time after it
-        started while nobody else trains towards it: the others have left or stopped (one that waits for this
-        round's group is found within that time), or there are none. `result()` then reports it as averaged
-        alone, and this peer's own update is applied, instead of after the averaging timeout (30 s by default:
-        a lone peer's rounds and its Ctrl+C used to wait that long). True if it was cancelled."""
-        patience = 2 * self.averager.matchmaking_time
-        return self.clock.others_idle(self.round + 1) and self._in_flight.pending.give_up_if_alone(after_s=patience)
+        """Cancel the round in flight if `RoundSchedule.give_up_after` says it has looked for a group long enough
+        while nobody else trains towards it: `result()` then reports it as averaged alone, and this peer's own
+        update is applied. True if it was cancelled."""
+        patience = self.schedule.give_up_after(self.round + 1)
+        return patience is not None and self._in_flight.pending.give_up_if_alone(after_s=patience)
 
     # ---- reporting ----
 
@@ -559,11 +538,9 @@ class SwarmPeer:
             )
 
     def _seconds_to_next_averaging(self, steps_in_round: int, step_s: float) -> float | None:
-        """When this round ends at the swarm's pace (the round clock's estimate: the swarm ends it once all its
-        peers together made H steps each, not when this peer alone has); None while nobody makes progress."""
+        """When this round ends at the swarm's pace (`RoundSchedule.seconds_to_round_end`)."""
         epoch = self.round + (self._in_flight is not None)
-        seconds = self.clock.seconds_to_round_end(epoch, steps_in_round, 1.0 / step_s if step_s > 0 else 0.0)
-        return seconds if math.isfinite(seconds) else None
+        return self.schedule.seconds_to_round_end(epoch, steps_in_round, 1.0 / step_s if step_s > 0 else 0.0)
 
     def record(self) -> PeerRecord:
         snap = self.status.snapshot()

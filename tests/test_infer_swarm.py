@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from tscale_p2p.peers.swarm_state import SwarmState, read_state_file, saved_state_file
 
 from tscale_p2p.cli import main
 from tscale_p2p.errors import UserError
@@ -87,14 +87,12 @@ def swarm(tmp_path_factory):
 
 
 def saved_model(out: Path) -> tuple[Transformer, int]:
-    """The peer's global weights from its swarm-state file (weights first, then the outer momentum), and round."""
+    """The peer's global weights from the swarm state in its checkpoint, and their round."""
     config = ModelConfig.from_dict(load_saved_run_config(out).model)
     model = Transformer(config)
-    with safe_open(out / "swarm-state.safetensors", framework="pt") as handle:
-        tensors = [handle.get_tensor(key) for key in sorted(handle.keys())]
-        round_ = json.loads(handle.metadata()["state"])["round"]
-    model.load_state_dict(dict(zip(dict(model.named_parameters()), tensors)))
-    return prepare_for_inference(model, "cpu", "fp32"), round_
+    state = SwarmState.from_wire(*read_state_file(saved_state_file(out)), names=[n for n, _ in model.named_parameters()])
+    model.load_state_dict(state.weights)
+    return prepare_for_inference(model, "cpu", "fp32"), state.round
 
 
 def greedy(model: Transformer, prompt: str, tokens: int) -> str:

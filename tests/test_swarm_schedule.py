@@ -1,10 +1,10 @@
-"""What the swarm's clock decides in-process (no DHT, no processes): the learning-rate schedule every peer
-follows, and when this peer's next averaging is due."""
+"""What the swarm's clock and round schedule decide in-process (no DHT, no processes): the learning-rate
+schedule every peer follows, when a round's matchmaking begins, when it is given up, what happens to the run's
+last steps and to a state downloaded to get back in step."""
 
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.progress import Progress, RoundClock
-from tscale_p2p.peers.swarm import SwarmPeer
+from tscale_p2p.peers.schedule import LastSteps, Resync, RoundSchedule, group_consensus, resync_plan
 from tscale_p2p.trainer import Trainer
 
 H = 10
@@ -64,9 +64,58 @@ def test_next_averaging_is_due_when_the_swarm_ends_the_round_not_after_this_peer
     the swarm's 30 steps are 12 short at 9 steps/s, so the round ends in 1.3 s, not in the 8 s this peer alone
     would take for its remaining 8 steps (the dashboard's 'next avg' used to say the latter)."""
     now = time.time()
-    clock = clock_seeing(Progress(3, 8, 4.0, now), Progress(3, 8, 4.0, now))
-    peer = SimpleNamespace(round=3, _in_flight=None, clock=clock)
-    assert SwarmPeer._seconds_to_next_averaging(peer, 2, step_s=1.0) == pytest.approx(12 / 9, rel=0.05)
-    idle = SimpleNamespace(round=3, _in_flight=None, clock=clock_seeing(Progress(3, 8, 0.0, now)))
-    assert SwarmPeer._seconds_to_next_averaging(idle, 2, step_s=0.0) is None  # nobody trains: no estimate
+    schedule = RoundSchedule(clock_seeing(Progress(3, 8, 4.0, now), Progress(3, 8, 4.0, now)), matchmaking_time=5.0)
+    assert schedule.seconds_to_round_end(3, 2, steps_per_s=1.0) == pytest.approx(12 / 9, rel=0.05)
+    idle = RoundSchedule(clock_seeing(Progress(3, 8, 0.0, now)), matchmaking_time=5.0)
+    assert idle.seconds_to_round_end(3, 2, steps_per_s=0.0) is None  # nobody trains: no estimate
 
+
+def test_matchmaking_begins_one_window_before_the_rounds_end_and_expects_every_live_peer():
+    now = time.time()
+    schedule = RoundSchedule(clock_seeing(Progress(3, 4, 1.0, now)), matchmaking_time=2.0)
+    # 20 steps to make, 4 + 4 made, 2 steps/s together: 6 s to go, then 1.5 s; a short round (2 s in all) never
+    assert schedule.matchmaking_lead(3, 4, steps_per_s=1.0, round_s=10.0) is None
+    assert schedule.matchmaking_lead(3, 13, steps_per_s=1.0, round_s=10.0) == pytest.approx(1.5, rel=0.05)
+    assert schedule.matchmaking_lead(3, 13, steps_per_s=1.0, round_s=0.4) is None
+    # The group expected: both live peers, once rounds last two record periods; else the window gathers them.
+    assert schedule.group_size(round_s=2.0) == 2 and schedule.group_size(round_s=1.9) is None
+    assert RoundSchedule(clock_seeing(), matchmaking_time=2.0).group_size(round_s=60.0) is None  # alone
+
+
+def test_a_round_is_given_up_after_two_windows_only_when_nobody_else_trains_towards_it():
+    now = time.time()
+    assert RoundSchedule(clock_seeing(), matchmaking_time=1.5).give_up_after(4) == 3.0
+    assert RoundSchedule(clock_seeing(Progress(4, 2, 0.0, now)), 1.5).give_up_after(4) == 3.0  # it has stopped
+    assert RoundSchedule(clock_seeing(Progress(3, 9, 2.0, now)), 1.5).give_up_after(4) is None  # on its way
+    assert RoundSchedule(clock_seeing(Progress(4, 2, 2.0, now)), 1.5).give_up_after(4) is None
+
+
+def test_the_runs_last_steps_wait_for_the_swarm_then_are_averaged_or_kept_local():
+    now = time.time()
+    training = RoundSchedule(clock_seeing(Progress(3, 3, 2.0, now)), matchmaking_time=1.0)
+    assert training.last_steps(3, 2, now, timed_out=False) is LastSteps.WAIT
+    assert training.last_steps(3, 2, now, timed_out=True) is LastSteps.AVERAGE  # waited the averaging timeout
+    stopped = RoundSchedule(clock_seeing(Progress(3, 7, 0.0, now)), matchmaking_time=1.0)
+    assert stopped.last_steps(3, 2, now, timed_out=False) is LastSteps.KEEP_LOCAL  # 9 of the H = 10 steps
+    assert stopped.last_steps(3, 3, now, timed_out=False) is LastSteps.AVERAGE
+    done = RoundSchedule(clock_seeing(Progress(3, 12, 0.0, now)), matchmaking_time=1.0)
+    assert done.last_steps(3, 8, now, timed_out=False) is LastSteps.AVERAGE  # the swarm ended the round
+    assert RoundSchedule(clock_seeing(), 1.0).last_steps(3, 4, now, timed_out=False) is LastSteps.KEEP_LOCAL
+
+
+def test_group_consensus_is_the_majority_base_and_the_same_for_every_member():
+    base = lambda r, w: {"round": r, "weights": w}  # noqa: E731
+    assert group_consensus([base(4, "bb"), base(4, "bb"), base(4, "aa")]) == (4, "bb")
+    assert group_consensus([base(3, "aa"), base(4, "bb")]) == (4, "bb")  # a joiner one round behind yields
+    assert group_consensus([base(4, "bb"), base(4, "aa")]) == (4, "aa")
+    assert group_consensus([base(4, "bb"), None, {"round": "4", "weights": "aa"}]) == (4, "bb")
+    assert group_consensus([None, {}]) is None
+
+
+def test_a_downloaded_state_is_adopted_stepped_or_refused_by_where_it_stands_against_the_groups_base():
+    group = (4, "bb")
+    assert resync_plan(group, {"round": 5, "weights": "cc"}) is Resync.ADOPT  # it has applied the round
+    assert resync_plan(group, {"round": 4, "weights": "bb"}) is Resync.ADOPT_AND_STEP  # not yet
+    assert resync_plan(group, {"round": 4, "weights": "aa"}) is Resync.STAY  # another history
+    assert resync_plan(group, {"round": 3, "weights": "bb"}) is Resync.STAY  # behind
+    assert resync_plan(group, None) is Resync.STAY and resync_plan(group, {"round": "5"}) is Resync.STAY

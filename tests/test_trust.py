@@ -33,7 +33,8 @@ from tscale_p2p.peers.run_config import (
     publish_run_config,
     run_config_record,
 )
-from tscale_p2p.peers.state_download import StateCheck, announce_state, fingerprint, state_offer_record
+from tscale_p2p.peers.state_download import StateCheck, announce_state, state_offer_record
+from tscale_p2p.peers.swarm_state import fingerprint
 
 from record_attacks import FakePeers
 
@@ -117,7 +118,7 @@ def honest_weights() -> list[torch.Tensor]:
 
 
 def state(tensors: list[torch.Tensor], round_number: int = 5, **metadata) -> tuple[dict, list[torch.Tensor]]:
-    """A shared state as `SwarmPeer.shared_state` makes it: the weights, then as many momentum buffers."""
+    """A shared state as `SwarmState.to_wire` makes it: the weights, then as many momentum buffers."""
     meta = {"format": 1, "run_hash": config().hash, "round": round_number, "step": 250,
             "weights": fingerprint(tensors), "schedule_origin": 0, **metadata}
     return meta, [*tensors, *(torch.zeros_like(t) for t in tensors)]

@@ -8,6 +8,8 @@ One checkpoint is one directory, so that it appears or disappears as a whole::
         rng.safetensors         RNG states: capture_rng_state(), plus any generator state the caller adds
         meta.json               format version, step, model config, the caller's meta, the optimizer's
                                 non-tensor state (param_groups), size and sha256 of every file, its own checksum
+        ...                     files the caller adds (a BPE tokenizer, a swarm peer's outer state), listed in
+                                meta.json and verified like the others
 
 `save_checkpoint` builds it in ``OUT/.tmp-*`` (`atomic.atomic_directory`), fsyncs every file and the
 directory, renames it to ``step-NNNNNNNN``, fsyncs OUT, and only then deletes checkpoints beyond the newest
@@ -32,7 +34,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -155,13 +157,14 @@ def save_checkpoint(
     rng_state: Mapping[str, torch.Tensor] | None = None,
     meta: Mapping[str, Any] | None = None,
     keep: int = 3,
-    extra_files: Mapping[str, bytes] | None = None,
+    extra_files: Mapping[str, bytes | Callable[[Path], None]] | None = None,
 ) -> Path:
     """Write ``out_dir/step-<step>`` atomically and keep only the newest `keep` checkpoints.
 
     `model_state` is a state dict (any device; shared storage such as tied weights is fine),
     `optimizer_state` an optimizer's ``state_dict()``, `model_config` and `meta` JSON-able dicts;
-    `extra_files` are further files by name (a tokenizer.json), listed and verified like the tensor files.
+    `extra_files` are further files by name, listed and verified like the tensor files: their bytes (a
+    tokenizer.json), or a function that writes the file at the path it is given (a peer's swarm state).
     A second save of the same step becomes ``step-<step>.1`` and counts as the newer one. The
     checkpoint just written is never pruned. Returns its path.
     """
@@ -195,8 +198,12 @@ def save_checkpoint(
         if rng_state is not None:
             files[RNG_FILE] = _write_tensors(tmp / RNG_FILE, rng_state)
         for name, data in (extra_files or {}).items():
-            (tmp / name).write_bytes(data)
-            files[name] = {"bytes": len(data), "sha256": _sha256_bytes(data)}
+            if callable(data):
+                data(tmp / name)
+                files[name] = _file_entry(tmp / name)
+            else:
+                (tmp / name).write_bytes(data)
+                files[name] = {"bytes": len(data), "sha256": _sha256_bytes(data)}
         manifest["files"] = files
         manifest["checksum"] = _sha256_bytes(_canonical(manifest))
         (tmp / META_FILE).write_bytes(json.dumps(manifest, indent=1).encode())
@@ -332,6 +339,11 @@ def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str,
         storages.add(storage)
         prepared[name] = tensor
     save_file(prepared, path)
+    return _file_entry(path)
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    """A written file's size and sha256, for the manifest."""
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         while chunk := file.read(_HASH_CHUNK):

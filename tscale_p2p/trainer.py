@@ -116,6 +116,7 @@ class Trainer:
             self.index = open_training_index(cfg.index, model_cfg, corpus)
         self.train_batches = self.training_windows(cfg.seed)
         self.step = 0
+        self.resumed_from: Path | None = None  # the checkpoint `restore` continued from
         self.schedule_step: int | None = None  # where the LR schedule stands, when not `step` (a swarm's progress)
         self.tokens_seen = 0
         self.flops_per_token = model_cfg.flops_per_token(self.context)
@@ -264,9 +265,9 @@ class Trainer:
         for name, p in params.items():
             p.copy_(weights[name].to(device=p.device, dtype=p.dtype))
 
-    def save(self, out_dir: str | Path) -> Path:
+    def save(self, out_dir: str | Path, extra_files: dict | None = None) -> Path:
         """Write an atomic checkpoint of everything needed to continue bit-for-bit (see checkpoint.py), with the
-        tokenizer the model reads."""
+        tokenizer the model reads and the caller's `extra_files` (as `save_checkpoint` takes them)."""
         tokenizer, tokenizer_files = checkpoint_entry(self.corpus.tokenizer, self.model_cfg.vocab_size)
         return save_checkpoint(
             out_dir,
@@ -277,7 +278,7 @@ class Trainer:
             rng_state=capture_rng_state(),
             meta={"tokens_seen": self.tokens_seen, "data": self.train_batches.state_dict(), "tokenizer": tokenizer},
             keep=self.cfg.keep,
-            extra_files=tokenizer_files,
+            extra_files={**tokenizer_files, **(extra_files or {})},
         )
 
     def _model_state(self) -> dict[str, torch.Tensor]:
@@ -289,6 +290,7 @@ class Trainer:
         """Continue from `checkpoint`: weights, optimizer, RNG and data position."""
         place = validated(_ResumePlace, checkpoint.meta, f"checkpoint {checkpoint.path}: meta.json meta")
         self.start_from(checkpoint)
+        self.resumed_from = checkpoint.path
         restore_rng_state(checkpoint.rng_state)
         self.tokens_seen = place.tokens_seen
         self.train_batches.load_state_dict(place.data.model_dump())

@@ -1,0 +1,137 @@
+"""When the swarm loop ends a round, begins matchmaking, gives a round up, averages its last steps, and resyncs.
+
+Pure decisions over what the loop knows (its round, its steps in it, how long it has lasted) and what the
+round clock (peers/progress.py) says about the other peers; no network, no threads, no clock reads but the
+round clock's own. `SwarmPeer` (peers/swarm.py) acts on them.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import Counter
+from typing import Protocol, Sequence
+
+Base = tuple[int, str]  # (outer round, fingerprint) of the global weights a pseudo-gradient was formed on
+
+
+class SwarmClock(Protocol):
+    """What the schedule reads of the other peers' progress (`RoundClock` is the real one)."""
+
+    inner_steps: int
+    every_s: float
+
+    def round_done(self, epoch: int, steps: int) -> bool: ...
+
+    def seconds_to_round_end(self, epoch: int, steps: int, steps_per_s: float) -> float: ...
+
+    def live_peers(self) -> int: ...
+
+    def others_idle(self, epoch: int) -> bool: ...
+
+    def collective_steps(self, epoch: int, steps: int, now: float) -> float: ...
+
+
+class LastSteps(enum.Enum):
+    """What to do with the steps of a round the run ended in the middle of."""
+
+    WAIT = "wait"  # the swarm has not ended the round yet
+    AVERAGE = "average"  # end the round and average them with the others
+    KEEP_LOCAL = "keep local"  # the swarm made fewer than H steps in all: no outer step on so little work
+
+
+class Resync(enum.Enum):
+    """What a peer out of step with its group does with the state it downloaded."""
+
+    ADOPT = "adopt"  # the donor had applied the group's round already
+    ADOPT_AND_STEP = "adopt and step"  # the donor was one round behind: apply this round's average on top
+    STAY = "stay out of step"  # nobody shared the group's state: try again next round
+
+
+def group_consensus(metadata: Sequence[object]) -> Base | None:
+    """The base most members of an averaging group declared (ties: the later round, then the smaller
+    fingerprint, so every member picks the same one); None if nobody declared a well-formed base."""
+    bases = []
+    for item in metadata:
+        if isinstance(item, dict) and isinstance(item.get("round"), int) and isinstance(item.get("weights"), str):
+            bases.append((item["round"], item["weights"]))
+    if not bases:
+        return None
+    counts = Counter(bases)
+    return min(counts, key=lambda base: (-counts[base], -base[0], base[1]))
+
+
+def resync_plan(consensus: Base, donor: object) -> Resync:
+    """How to use a state downloaded because our base differed from the group's `consensus`; `donor` is that
+    state's metadata (remote data; None if the download failed). The donor may or may not have applied the
+    group's round yet: we want the state after it."""
+    donor_round = donor.get("round") if isinstance(donor, dict) else None
+    if not isinstance(donor_round, int):
+        return Resync.STAY
+    if donor_round == consensus[0] and donor.get("weights") == consensus[1]:
+        return Resync.ADOPT_AND_STEP
+    return Resync.ADOPT if donor_round > consensus[0] else Resync.STAY
+
+
+class RoundSchedule:
+    """The swarm loop's timing decisions for one peer whose averager gathers groups for `matchmaking_time` s."""
+
+    def __init__(self, clock: SwarmClock, matchmaking_time: float) -> None:
+        self.clock, self.matchmaking_time = clock, matchmaking_time
+
+    def round_ends(self, epoch: int, steps: int) -> bool:
+        """Whether this peer's round `epoch` ends now, `steps` steps in: the swarm has made H steps per peer."""
+        return self.clock.round_done(epoch, steps)
+
+    def matchmaking_lead(self, epoch: int, steps: int, steps_per_s: float, round_s: float) -> float | None:
+        """Seconds to the round's end, when matchmaking should begin now (within one matchmaking window of the
+        end: the group then forms while the last steps train, and the average arrives one all-reduce after the
+        round ends); else None. Not for rounds no longer than the window (`round_s` so far plus what is left),
+        where it would begin as the previous round ends: with it, CI's swarm tests (rounds of 5 steps, well
+        under the window) turned flaky, two failures in two runs whose cause is not pinned down; such short
+        rounds gain little from it anyway."""
+        seconds = self.clock.seconds_to_round_end(epoch, steps, steps_per_s)
+        window = self.matchmaking_time
+        if seconds > window or round_s + seconds <= window:
+            return None
+        return seconds
+
+    def group_size(self, round_s: float) -> int | None:
+        """The group to expect for a round that has lasted `round_s` seconds: every live peer the round clock
+        sees, so that the average starts once they are all in, not when the matchmaking window closes (on the
+        H200 benchmark that window made every average a whole round late).
+
+        None (wait out the window, hivemind's default) for a peer that sees nobody, and for rounds shorter than
+        two of the clock's record periods: there the records lag whole rounds, peers drift apart, and the
+        window is what gathers them (measured: with 5-step rounds in tests/test_swarm.py, groups formed at
+        once split the swarm into pairs and forced 5-9 state re-downloads a run, against none)."""
+        peers = self.clock.live_peers()
+        return peers if peers > 1 and round_s >= 2 * self.clock.every_s else None
+
+    def give_up_after(self, epoch: int) -> float | None:
+        """How long a round that ends `epoch` may look for a group before it is given up (`PendingRound.
+        give_up_if_alone`), or None while another peer still trains towards it. Twice the matchmaking time:
+        one that waits for this round's group is found within that time; a lone peer's rounds and its Ctrl+C
+        used to wait the whole averaging timeout instead (30 s by default)."""
+        return 2 * self.matchmaking_time if self.clock.others_idle(epoch) else None
+
+    def last_steps(self, epoch: int, steps: int, now: float, timed_out: bool) -> LastSteps:
+        """The run is over `steps` steps into round `epoch`: wait (without training) until the swarm ends the
+        round or nobody trains towards it any more, so the last steps are averaged in the others' group rather
+        than alone; once `timed_out` (the averaging timeout has passed, or a stop was asked for) it averages
+        them as they are.
+
+        KEEP_LOCAL when the round ends with fewer than H steps in all: then every peer keeps its last steps
+        local. An outer step on so little work would mostly repeat the momentum's lookahead, and the peers that
+        ran out of steps at the previous round's end would not take it: the global weights would end different
+        (measured: 0.5% worse val loss for the peers that took it, benchmarks/RESULTS.md)."""
+        if not (self.clock.round_done(epoch, steps) or self.clock.others_idle(epoch)):
+            return LastSteps.AVERAGE if timed_out else LastSteps.WAIT
+        collective = self.clock.collective_steps(epoch, steps, now)
+        return LastSteps.AVERAGE if collective >= self.clock.inner_steps else LastSteps.KEEP_LOCAL
+
+    def seconds_to_round_end(self, epoch: int, steps: int, steps_per_s: float) -> float | None:
+        """When this round ends at the swarm's pace (the swarm ends it once all its peers together made H steps
+        each, not when this peer alone has); None while nobody makes progress."""
+        seconds = self.clock.seconds_to_round_end(epoch, steps, steps_per_s)
+        return seconds if math.isfinite(seconds) else None
