@@ -1,0 +1,304 @@
+"""`SwarmPeer`'s loop in-process: give-up, drain, resync and the saved state, in milliseconds.
+
+Real trainer, outer optimizer, round clock and checkpoints; the averager is a scripted `RoundAverager` (the
+interface peers/swarm.py defines) whose rounds end as each test says, and the clock reads no DHT: the test sets
+the other peers' progress. tests/test_swarm.py runs the same loop end to end over hivemind.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from tscale_p2p.checkpoint import find_latest, resume_from
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.data import load_corpus
+from tscale_p2p.model import ModelConfig
+from tscale_p2p.peers.averaging import RoundOutcome
+from tscale_p2p.peers.outer import OuterOptimizer
+from tscale_p2p.peers.progress import Progress, RoundClock
+from tscale_p2p.peers.run_config import RunConfig
+from tscale_p2p.peers.status import LocalStatus
+from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
+from tscale_p2p.peers.swarm_state import SWARM_STATE_FILE, SwarmState, fingerprint, read_state_file
+from tscale_p2p.tokenizer import tokenizer_id
+from tscale_p2p.trainer import Trainer
+
+H = 4
+MATCHMAKING_S = 0.0  # a lone round is given up at the first step after it ends
+LR, MOMENTUM = 1.0, 0.5
+
+
+class QuietClock(RoundClock):
+    """A `RoundClock` that publishes and reads nothing: the test tells it the others' progress (`observe`)."""
+
+    def __init__(self) -> None:
+        super().__init__(dht=None, run_id="loop", peer_id="me", inner_steps=H)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class ScriptedRound:
+    """A round in the background. `outcome` None: it finds no group until it is given up; else it is done once
+    `done()` has been asked `polls` more times."""
+
+    def __init__(self, outcome: RoundOutcome | None = None, polls: int = 0) -> None:
+        self.outcome, self.polls = outcome, polls
+        self.patience: list[float] = []  # what give_up_if_alone was asked with
+
+    def done(self) -> bool:
+        if self.outcome is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def give_up_if_alone(self, after_s: float) -> bool:
+        self.patience.append(after_s)
+        if self.outcome is not None:
+            return False
+        self.outcome = RoundOutcome(None, 1, 0.0, 0, 0, 0.0, error="nobody else looking for a group")
+        return True
+
+    def result(self, timeout=None) -> RoundOutcome:
+        assert self.outcome is not None, "result() of a round that can never end"
+        return self.outcome
+
+
+class ScriptedAverager:
+    """A `RoundAverager` whose round k is `rounds(k, pseudo_gradient, metadata)` and whose state download is
+    `donor()`. Shares nothing (the DHT is not there)."""
+
+    client_mode, allow_state_sharing, banned_count = False, False, 0
+
+    def __init__(self, rounds, donor=None) -> None:
+        self.rounds, self.donor = rounds, donor
+        self.matchmaking_time, self.round_timeout = MATCHMAKING_S, 5.0
+        self.state_sharing_priority = 0.0
+        self.round_scheduled = False
+        self.started: list[tuple[list[torch.Tensor], dict]] = []  # (pseudo-gradient, metadata) of each round
+        self.downloads = 0
+
+    def schedule_round(self, seconds_to_start, tokens, metadata=None, group_size=None) -> None:
+        self.round_scheduled = True
+
+    def cancel_scheduled_round(self) -> None:
+        self.round_scheduled = False
+
+    def start_round(self, pseudo_gradient, tokens, metadata=None, group_size=None) -> ScriptedRound:
+        assert tokens > 0
+        self.round_scheduled = False
+        self.started.append(([t.clone() for t in pseudo_gradient], metadata))
+        return self.rounds(len(self.started), pseudo_gradient, metadata)
+
+    def load_state_from_peers(self, wait=True, timeout=None):
+        self.downloads += 1
+        return self.donor() if self.donor else None
+
+    def shutdown(self) -> None:
+        pass
+
+
+class NoMetrics:
+    dht = None
+
+    def publish(self, record) -> bool:
+        return True
+
+    def fetch(self) -> list:
+        return []
+
+
+def train_config(corpus, out) -> TrainConfig:
+    return TrainConfig(data=str(corpus), out=str(out), device="cpu", batch_size=2, steps=10_000, warmup=0, lr=1e-2,
+                       save_every=0, eval_every=0, log_every=1000)
+
+
+def make_peer(corpus, out, rounds, *, donor=None, max_steps=None, clock=None, trainer=None) -> SwarmPeer:
+    cfg = train_config(corpus, out)
+    trainer = trainer or Trainer(ModelConfig.from_dims("e32h2d1w32"), cfg, load_corpus(str(corpus)), torch.device("cpu"))
+    run = RunConfig.from_settings(cfg, trainer.model_cfg, tokenizer_id(trainer.corpus.tokenizer, trainer.corpus.vocab_size),
+                                  inner_steps=H, outer_lr=LR, outer_momentum=MOMENTUM)
+    return SwarmPeer(trainer, lambda template, source: ScriptedAverager(rounds, donor), NoMetrics(),
+                     SwarmIdentity("me", "me", "loop", "cpu", relayed=False), LocalStatus(), run=run,
+                     max_steps=max_steps, publish_every_s=60.0, clock=clock or QuietClock())
+
+
+def averaged_with_group(average: list[torch.Tensor], metadata: list, polls: int = 0) -> ScriptedRound:
+    peers = tuple(f"peer-{i}" for i in range(len(metadata)))
+    return ScriptedRound(RoundOutcome(average, len(metadata), 1.0, 100, 100, 0.01, group_metadata=tuple(metadata),
+                                      group_peers=peers), polls)
+
+
+def replay(initial: dict, averages: list[dict], momentum: dict | None = None) -> OuterOptimizer:
+    """The outer optimizer after `averages`, from `initial` weights (and outer `momentum`)."""
+    outer = OuterOptimizer(initial, LR, MOMENTUM)
+    if momentum is not None:
+        state = outer.state_dict()
+        state["optimizer"]["state"] = {i: {"momentum_buffer": m.clone()} for i, m in enumerate(momentum.values())}
+        outer.load_state_dict(state)
+    for average in averages:
+        outer.step(average)
+    return outer
+
+
+def assert_same(first: dict, second: dict) -> None:
+    assert first.keys() == second.keys()
+    for name in first:
+        torch.testing.assert_close(first[name], second[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_lone_peer_gives_up_each_rounds_search_applies_its_own_update_and_keeps_its_last_steps(corpus, tmp_path,
+                                                                                                   caplog):
+    """Nobody else trains: each round looks for a group for twice the matchmaking time (here 0 s: at the next
+    step) and the peer takes its outer step with its own pseudo-gradient, without ever waiting; the run ends 1
+    step into round 4, too few steps to average, so they stay local."""
+    rounds: list[ScriptedRound] = []
+    peer = make_peer(corpus, tmp_path / "alone", lambda k, g, m: rounds.append(ScriptedRound()) or rounds[-1],
+                     max_steps=3 * H + 1)
+    initial = {n: w.clone() for n, w in peer.outer.weights.items()}
+    with caplog.at_level(logging.INFO, logger="tscale_p2p"):
+        peer.run()
+    assert peer.trainer.step == 3 * H + 1 and peer.round == 3
+    assert [r.patience for r in rounds] == [[2 * MATCHMAKING_S]] * 3
+    own_updates = [dict(zip(peer.names, gradient)) for gradient, _ in peer.averager.started]
+    assert_same(peer.outer.weights, replay(initial, own_updates).weights)
+    records = peer.status.snapshot().averaging
+    assert [(r.round, r.group_size) for r in records] == [(1, 1), (2, 1), (3, 1)]
+    assert caplog.text.count("averaged with nobody (nobody else looking for a group)") == 3
+    assert "run over after 1 steps of round 4, 1 in all by the swarm's peers: keeping them local" in caplog.text
+    local = peer.trainer.snapshot()
+    assert any(not torch.equal(local[n], peer.outer.weights[n]) for n in peer.names)  # the last step, kept local
+
+
+def test_leaving_waits_for_the_round_in_flight_and_applies_the_groups_average(corpus, tmp_path):
+    """Stopped 2 steps after its round ended, while another peer still trains towards it: the round is not given
+    up, the peer waits for it on leaving, applies the group's average and keeps its 2 local steps on top; the
+    steps of the unfinished round are not averaged (a stop is not the run's end)."""
+    clock = QuietClock()
+    # the other peer has made its H steps of round 0 and still trains, slowly
+    clock.observe([Progress(epoch=0, steps=H, steps_per_s=1e-3, time=time.time(), peer_id="other")])
+    average, started = None, []
+
+    def rounds(number, gradient, metadata):
+        nonlocal average
+        average = [0.5 * g for g in gradient]
+        started.append(averaged_with_group(average, [metadata, metadata], polls=3))  # done only after the stop
+        return started[-1]
+
+    peer = make_peer(corpus, tmp_path / "leaving", rounds, clock=clock)
+    initial = {n: w.clone() for n, w in peer.outer.weights.items()}
+    peer.run(should_stop=lambda: peer.trainer.step >= H + 2)
+    assert len(peer.averager.started) == 1 and peer.round == 1 and started[0].patience == []  # never given up
+    assert_same(peer.outer.weights, replay(initial, [dict(zip(peer.names, average))]).weights)
+    assert not peer.status.snapshot().averaging_in_flight
+    local = peer.trainer.snapshot()
+    assert any(not torch.equal(local[n], peer.outer.weights[n]) for n in peer.names)
+
+
+def test_the_runs_last_steps_are_averaged_when_the_swarm_made_h_steps_in_the_round(corpus, tmp_path):
+    """The run ends 2 steps into round 2, of which the other peer, stopped, has made 2H - 3 steps: together they
+    made more than H, so the peer ends the round with its 2 steps, averages them and leaves with the global
+    weights as its own."""
+    clock = QuietClock()
+    clock.observe([Progress(epoch=0, steps=H, steps_per_s=0.0, time=time.time(), peer_id="other")])
+
+    def rounds(number, gradient, metadata):
+        if number == 1:
+            clock.observe([Progress(epoch=1, steps=2 * H - 3, steps_per_s=0.0, time=time.time(), peer_id="other")])
+        return averaged_with_group([t.clone() for t in gradient], [metadata, metadata])
+
+    peer = make_peer(corpus, tmp_path / "last", rounds, max_steps=H + 2, clock=clock)
+    peer.run()
+    assert len(peer.averager.started) == 2 and peer.round == 2
+    assert_same(peer.trainer.snapshot(), peer.outer.weights)  # nothing left unaveraged
+
+
+@pytest.mark.parametrize("donor_applied_the_round", [False, True])
+def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_groups_base_next(
+        corpus, tmp_path, caplog, donor_applied_the_round):
+    """Two of the three peers of round 1 declare other global weights than ours: the peer downloads the swarm's
+    state, brings it to where the group is after the round's average (the donor may have applied it already, or
+    not yet), and its next round is formed on those weights."""
+    generator = torch.Generator().manual_seed(1)
+    theirs_before: dict[str, torch.Tensor] = {}
+    average: dict[str, torch.Tensor] = {}
+
+    def rounds(number, gradient, metadata):
+        if number > 1:
+            return ScriptedRound()  # given up: irrelevant here
+        average.update(zip(peer.names, [0.5 * g for g in gradient]))
+        theirs = {"round": 0, "weights": fingerprint(list(theirs_before.values()))}
+        return averaged_with_group(list(average.values()), [metadata, theirs, theirs])
+
+    def donor():
+        weights, momentum = dict(theirs_before), {n: 0.1 * torch.ones_like(w) for n, w in theirs_before.items()}
+        if donor_applied_the_round:
+            after = replay(weights, [average], momentum)
+            weights = after.weights
+            momentum = {n: after.state_dict()["optimizer"]["state"][i]["momentum_buffer"] for i, n in enumerate(peer.names)}
+        state = SwarmState(peer.run_hash, 1 if donor_applied_the_round else 0, 0, 0, weights, momentum, donor="peer-1")
+        return state.to_wire()
+
+    peer = make_peer(corpus, tmp_path / "resync", rounds, donor=donor, max_steps=2 * H + 1)
+    theirs_before.update({n: w + 0.01 * torch.randn(w.shape, generator=generator) for n, w in peer.outer.weights.items()})
+    with caplog.at_level(logging.INFO, logger="tscale_p2p"):
+        peer.run()
+    expected = replay(theirs_before, [average], {n: 0.1 * torch.ones_like(w) for n, w in theirs_before.items()})
+    expected_base = {"round": 1, "weights": fingerprint(list(expected.weights.values()))}
+    assert peer.averager.downloads == 1
+    assert "differ from the group's (round 0" in caplog.text
+    assert f"back in step with the swarm at round 1, weights {expected_base['weights']}" in caplog.text
+    assert peer.averager.started[1][1] == expected_base  # round 2 is formed on the group's weights
+
+
+def test_a_peer_that_cannot_download_the_groups_state_stays_out_of_step_and_shares_its_own_again(
+        corpus, tmp_path, caplog):
+    def rounds(number, gradient, metadata):
+        if number > 1:
+            return ScriptedRound()
+        other = [{"round": 0, "weights": "0123456789ab"}] * 2
+        return averaged_with_group([t.clone() for t in gradient], [metadata, *other])
+
+    peer = make_peer(corpus, tmp_path / "stay", rounds, max_steps=H + 1)
+    with caplog.at_level(logging.INFO, logger="tscale_p2p"):
+        peer.run()
+    assert peer.averager.downloads == 1 and peer.round == 1
+    assert "no peer shared the group's state (got round None); staying out of step for now" in caplog.text
+    assert peer.averager.state_sharing_priority == 1.0  # offered again, at its own round
+
+
+def test_the_swarm_state_is_saved_inside_the_step_checkpoint_and_a_restarted_peer_continues_from_it(corpus, tmp_path):
+    """The outer state (global weights, momentum, round, schedule origin) is a file of the step checkpoint,
+    written and verified with it; a peer restarted from that checkpoint adopts it, and its wire form is the one
+    a joiner and `fetch` read."""
+    peer = make_peer(corpus, tmp_path / "run", lambda k, g, m: averaged_with_group([0.5 * t for t in g], [m, m]),
+                     max_steps=2 * H + 1)
+    peer.run()
+    path = peer.save()
+    assert path == find_latest(tmp_path / "run") and (path / SWARM_STATE_FILE).exists()
+    saved = SwarmState.from_wire(*read_state_file(path / SWARM_STATE_FILE), names=peer.names)
+    own = peer.state()
+    assert (saved.round, saved.step, saved.fingerprint) == (2, 2 * H + 1, peer.weights_fingerprint())
+    assert_same(saved.weights, own.weights)
+    assert_same(saved.momentum, own.momentum)
+    assert peer.state_check.problem(*own.to_wire()) is None  # what a joiner accepts
+
+    cfg = train_config(corpus, tmp_path / "run")
+    trainer = Trainer(ModelConfig.from_dims("e32h2d1w32"), cfg, load_corpus(str(corpus)), torch.device("cpu"))
+    trainer.restore(resume_from(tmp_path / "run"))
+    restarted = make_peer(corpus, tmp_path / "run", lambda k, g, m: ScriptedRound(), trainer=trainer)
+    assert restarted.load_saved_state()
+    assert (restarted.round, restarted.weights_fingerprint(), restarted.trainer.step) == (2, saved.fingerprint, 2 * H + 1)
+    assert_same(restarted.state().momentum, own.momentum)
+    assert_same(restarted.trainer.snapshot(), own.weights)  # a restart trains on from the global weights
+
+    # Damaged on disk: the whole checkpoint is refused (its manifest lists the file), never half of it adopted.
+    (path / SWARM_STATE_FILE).write_bytes(b"not a state")
+    assert find_latest(tmp_path / "run") != path
