@@ -57,9 +57,13 @@ SHARED_TRAIN_FIELDS = (
     "beta2",
     "grad_clip",
     "steps",
+    "embedding_weight_decay",
 )
+# Shared fields added later, with the value that trains as the code did before them: a run config leaves them
+# out at that value, so its hash, and the runs already published, stay as they were.
+LATER_TRAIN_FIELDS = {"embedding_weight_decay": 0.0}
 # TrainConfig fields that are part of the model config (compared through it).
-MODEL_TRAIN_FIELDS = ("model", "window_schedule", "mlp", "dropout")
+MODEL_TRAIN_FIELDS = ("model", "window_schedule", "mlp", "dropout", "attention_dropout", "tie_embeddings")
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 RUN_CONFIG_FILE = "run-config.json"
@@ -103,7 +107,10 @@ class RunConfig:
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             seed=cfg.seed,
-            train={name: getattr(cfg, name) for name in SHARED_TRAIN_FIELDS},
+            train={
+                name: getattr(cfg, name) for name in SHARED_TRAIN_FIELDS
+                if LATER_TRAIN_FIELDS.get(name, object()) != getattr(cfg, name)
+            },
         )
 
     @property
@@ -119,22 +126,27 @@ class RunConfig:
         model = self.model_config
         return replace(
             cfg,
-            **self.train,
+            **{**LATER_TRAIN_FIELDS, **self.train},
             model=model.dims,
             window_schedule=model.window_schedule,
             mlp=model.mlp,
             dropout=model.dropout,
+            attention_dropout=model.attention_dropout,
+            tie_embeddings=model.tie_embeddings,
         )
 
     def check_flags(self, run_id: str, explicit: dict) -> None:
         """Refuse explicitly given settings (flag name -> value) that contradict this run."""
         model = self.model_config
         run_values = {
+            **LATER_TRAIN_FIELDS,
             **self.train,
             "model": model.dims,
             "window_schedule": model.window_schedule,
             "mlp": model.mlp,
             "dropout": model.dropout,
+            "attention_dropout": model.attention_dropout,
+            "tie_embeddings": model.tie_embeddings,
             "inner_steps": self.inner_steps,
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,

@@ -108,3 +108,49 @@ def test_flex_attention_block_mask_matches_the_exact_masked_path():
     allowed = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 64)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed)
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_a_tied_head_is_the_token_embedding_listed_once():
+    cfg = tiny(tie_embeddings=True)
+    model = Transformer(cfg)
+    assert model.lm_head.weight is model.tok_emb.weight
+    names = [name for name, _ in model.named_parameters()]
+    assert "tok_emb.weight" in names and "lm_head.weight" not in names
+    assert cfg.parameter_count() == sum(p.numel() for p in model.parameters())
+    assert cfg.parameter_count() == tiny().parameter_count() - cfg.vocab_size * cfg.width
+
+
+def test_configs_at_the_later_fields_defaults_keep_the_dict_older_checkpoints_hold():
+    older = ModelConfig().to_dict()
+    assert not {"index", "attention_dropout", "tie_embeddings"} & set(older)
+    assert ModelConfig.from_dict(older) == ModelConfig()
+    newer = tiny(tie_embeddings=True, attention_dropout=0.1)
+    assert newer.to_dict()["tie_embeddings"] is True and newer.to_dict()["attention_dropout"] == 0.1
+    assert ModelConfig.from_dict(newer.to_dict()) == newer
+    with pytest.raises(UserError, match="attention-dropout must be in"):
+        tiny(attention_dropout=1.0)
+
+
+def test_attention_dropout_keeps_the_window_and_acts_only_in_training():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8) for _ in range(3))
+    window = 4
+    plain = windowed_attention(q, k, v, window)
+    torch.manual_seed(1)
+    dropped = windowed_attention(q, k, v, window, dropout=0.5)
+    assert not torch.allclose(dropped, plain)
+    far = v.clone()
+    far[:, :, :8] += 100.0  # keys 0..7 lie outside the window of queries 11..15
+    torch.manual_seed(1)
+    moved = windowed_attention(q, k, far, window, dropout=0.5)
+    torch.testing.assert_close(moved[:, :, 11:], dropped[:, :, 11:])
+
+    cfg = tiny(attention_dropout=0.5)
+    torch.manual_seed(0)
+    model, reference = Transformer(cfg), Transformer(tiny())
+    reference.load_state_dict(model.state_dict())
+    idx = torch.randint(0, cfg.vocab_size, (2, 32))
+    model.eval(), reference.eval()
+    torch.testing.assert_close(model(idx), reference(idx))
+    model.train()
+    assert not torch.allclose(model(idx), reference(idx))

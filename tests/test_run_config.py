@@ -71,3 +71,24 @@ def test_saved_run_config_round_trip(tmp_path):
 def test_bad_run_ids(run_id):
     with pytest.raises(UserError, match="invalid --run-id"):
         check_run_id(run_id)
+
+
+def test_later_settings_at_their_defaults_leave_the_run_config_as_before():
+    run = founder_config()
+    assert "embedding_weight_decay" not in run.train and "tie_embeddings" not in run.model
+    decayed = founder_config(embedding_weight_decay=0.1)
+    assert decayed.train["embedding_weight_decay"] == 0.1 and decayed.hash != run.hash
+    # a joiner adopts the default of a run that predates the setting, and may not contradict it
+    assert run.apply_to(TrainConfig(embedding_weight_decay=0.5)).embedding_weight_decay == 0.0
+    with pytest.raises(UserError, match="--embedding-weight-decay 0.5 contradicts run 'r'"):
+        run.check_flags("r", {"embedding_weight_decay": 0.5})
+
+
+def test_a_joiner_adopts_the_runs_tied_head_and_attention_dropout():
+    cfg = TrainConfig(lr=1e-3, steps=500)
+    model = ModelConfig.from_dims("e32h2d2w64", tie_embeddings=True, attention_dropout=0.1)
+    run = RunConfig.from_settings(cfg, model, "byte", 50, 0.7, 0.9)
+    mine = run.apply_to(TrainConfig())
+    assert (mine.tie_embeddings, mine.attention_dropout) == (True, 0.1)
+    with pytest.raises(UserError, match="--tie-embeddings False contradicts"):
+        run.check_flags("r", {"tie_embeddings": False})

@@ -141,3 +141,30 @@ def test_resuming_a_finished_run_says_nothing_to_do_and_writes_nothing(corpus, t
     assert main([*common, "--resume"]) == 0
     assert snapshot_tree(out) == before  # no step-4.1, no older checkpoint rotated out
     assert any("nothing to do" in r.getMessage() and "step 4 of --steps 4" in r.getMessage() for r in caplog.records)
+
+
+NANOGPT_REGULARISERS = ["--tie-embeddings", "--embedding-weight-decay", "0.1", "--attention-dropout", "0.1", "--dropout", "0.1"]
+
+
+def test_tied_decayed_run_records_its_options_and_resumes_bit_for_bit(corpus, tmp_path):
+    common = ["--data", str(corpus), "--steps", "8", "--save-every", "4", "--eval-every", "0", *NANOGPT_REGULARISERS]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(["train", "--out", str(straight), *common, *TINY]) == 0
+    assert main(["train", "--out", str(split), *common, *TINY, "--steps", "4"]) == 0
+    assert main(["train", "--out", str(split), "--resume", *common, *TINY]) == 0
+    a, b = weights(straight), weights(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(a["lm_head.weight"], a["tok_emb.weight"])
+    saved = load_checkpoint(find_latest(straight))
+    assert saved.model_config["tie_embeddings"] is True and saved.model_config["attention_dropout"] == 0.1
+    assert [g["weight_decay"] for g in saved.optimizer_state["param_groups"]] == [0.1, 0.0, 0.1]
+
+
+def test_tied_embeddings_are_refused_with_offload(corpus, tmp_path, capsys):
+    argv = ["train", "--data", str(corpus), "--out", str(tmp_path / "o"), "--tie-embeddings", "--offload", "optimizer", *TINY]
+    _refused(argv, capsys, "tied embeddings", tmp_path)
+
+
+def test_negative_embedding_weight_decay_is_refused(corpus, tmp_path, capsys):
+    argv = ["train", "--data", str(corpus), "--out", str(tmp_path / "o"), "--embedding-weight-decay", "-1", *TINY]
+    _refused(argv, capsys, "embedding-weight-decay must not be negative, got -1.0", tmp_path)

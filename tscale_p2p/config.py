@@ -44,6 +44,8 @@ class TrainConfig:
     window_schedule: str = field(default="tscale", metadata={"choices": WINDOW_SCHEDULES, "help": "attention windows: tscale (short/full alternation) or dense"})
     mlp: str = field(default="relu2", metadata={"choices": MLP_KINDS, "help": "MLP kind: relu2 or swiglu"})
     dropout: float = field(default=0.0, metadata={"help": "residual dropout"})
+    attention_dropout: float = field(default=0.0, metadata={"help": "dropout on the attention probabilities (windowed layers then compute every block: FlexAttention has no dropout)"})
+    tie_embeddings: bool = field(default=False, metadata={"help": "the output head shares the token embedding matrix (GPT-2's weight tying; not with --offload)"})
     precision: str = field(default="auto", metadata={"choices": PRECISION_CHOICES, "help": "matmul precision: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp8, int8"})
     grad_rounding: str = field(default="nearest", metadata={"choices": GRAD_ROUNDING, "help": "fp8/int8: how the gradients' casts round; stochastic (TScale's dithering) is unbiased, and measured no better on loss (benchmarks/RESULTS.md)"})
     device: str = field(default="auto", metadata={"choices": DEVICES, "help": "auto, cpu or cuda"})
@@ -63,7 +65,8 @@ class TrainConfig:
     warmup: int = field(default=100, metadata={"help": "learning-rate warm-up steps"})
     schedule: str = field(default="cosine", metadata={"choices": LR_SCHEDULES, "help": "decay after warm-up: cosine, or wsd (stable then a linear cool-down)"})
     cooldown_fraction: float = field(default=0.2, metadata={"help": "wsd: fraction of the steps spent cooling down"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices only)"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay of the matrices"})
+    embedding_weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay of the embeddings, a tied head included (nanoGPT decays them as its matrices)"})
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
     eval_every: int = field(default=250, metadata={"help": "evaluate val loss every N steps (0: only at the end)"})
@@ -112,6 +115,8 @@ class TrainConfig:
             raise UserError(f"sync-warmup-steps must not be negative, got {self.sync_warmup_steps}")
         if not self.sync_timeout > 0:
             raise UserError(f"sync-timeout must be a positive number of seconds, got {self.sync_timeout}")
+        if self.embedding_weight_decay < 0:
+            raise UserError(f"embedding-weight-decay must not be negative, got {self.embedding_weight_decay}")
         if not self.lr > 0:
             raise UserError(f"lr must be positive, got {self.lr}")
 

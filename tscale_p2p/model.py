@@ -50,6 +50,8 @@ class ModelConfig:
     first_window: int = 16
     first_fraction: float = 0.15
     dropout: float = 0.0
+    attention_dropout: float = 0.0  # dropout on the attention probabilities, in training
+    tie_embeddings: bool = False  # the output head is the token embedding matrix (GPT-2's and nanoGPT's weight tying)
     rope_base: float = 10000.0
     index: str | None = None  # corpus hash of the index whose matches the model reads (index.py); None: no index input
 
@@ -72,8 +74,9 @@ class ModelConfig:
             raise UserError(
                 f"unknown window schedule {self.window_schedule!r}; choose one of {', '.join(WINDOW_SCHEDULES)}"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
 
     @classmethod
     def from_dims(cls, dims: str, **overrides) -> "ModelConfig":
@@ -99,9 +102,12 @@ class ModelConfig:
         return f"e{self.width}h{self.heads}d{self.depth}w{self.context}"
 
     def to_dict(self) -> dict:
+        """The fields, less those added later that are at their defaults: a model that does not use them keeps
+        the config (and the hash) it had before they existed, and older checkpoints still match it."""
         data = asdict(self)
-        if data["index"] is None:  # a model without an index input keeps today's config (and its hash) exactly
-            del data["index"]
+        for name, default in _LATER_FIELDS.items():
+            if data[name] == default:
+                del data[name]
         return data
 
     @classmethod
@@ -146,7 +152,7 @@ class ModelConfig:
         block = attn + mlp + 2 * self.width
         total = self.depth * block + self.width
         if embeddings:
-            total += 2 * self.vocab_size * self.width
+            total += (1 if self.tie_embeddings else 2) * self.vocab_size * self.width
             if self.index is not None:
                 total += (self.vocab_size + 1 + INDEX_LENGTHS) * self.width
         return total
@@ -168,6 +174,10 @@ class ModelConfig:
         return 6 * (self.parameter_count(embeddings=False) + self.vocab_size * self.width) + 3 * (
             self.attention_flops_per_token(context)
         )
+
+
+# Fields that came after the first checkpoints, with the value that behaves as the code did before them.
+_LATER_FIELDS = {"index": None, "attention_dropout": 0.0, "tie_embeddings": False}
 
 
 @lru_cache(maxsize=1)
@@ -226,17 +236,19 @@ def _compiled_flex_attention():
 
 
 def windowed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, block_mask=None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, block_mask=None, dropout: float = 0.0
 ) -> torch.Tensor:
     """Causal attention of q, k, v ([B, H, T, D]) where each query sees at most `window` keys (itself
-    included). On CUDA a windowed layer uses FlexAttention with `block_mask` (made by `flex_block_mask`)."""
+    included), dropping attention probabilities with probability `dropout`. On CUDA a windowed layer uses
+    FlexAttention with `block_mask` (made by `flex_block_mask`) unless `dropout` is on: FlexAttention has no
+    dropout, so such a layer then takes the exact masked path, which computes every block."""
     t = q.shape[-2]
     if window >= t:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+    if q.is_cuda and not dropout:
         block_mask = block_mask if block_mask is not None else flex_block_mask(t, window, q.device)
         return _compiled_flex_attention()(q, k, v, block_mask=block_mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(t, window, q.device))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(t, window, q.device), dropout_p=dropout)
 
 
 @torch.compiler.disable
@@ -263,6 +275,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int) -> None:
         super().__init__()
         self.heads, self.head_dim, self.window = cfg.heads, cfg.head_dim, window
+        self.dropout_p = cfg.attention_dropout
         inner = cfg.heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.width, 3 * inner, bias=False)
         self.proj = nn.Linear(inner, cfg.width, bias=False)
@@ -286,7 +299,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, mask = cache.update(k, v, positions)
         if mask is None:
-            y = windowed_attention(q, k, v, self.window, block_mask)
+            y = windowed_attention(q, k, v, self.window, block_mask, self.dropout_p if self.training else 0.0)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.merge_heads(y)
@@ -359,6 +372,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, window) for window in cfg.layer_windows())
         self.norm = nn.RMSNorm(cfg.width)
         self.lm_head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:  # one Parameter, registered under tok_emb (named_parameters lists it once)
+            self.lm_head.weight = self.tok_emb.weight
         self.dropout = nn.Dropout(cfg.dropout)
         self.reset_parameters()
 

@@ -66,7 +66,8 @@ def model_config_for(
     cfg: TrainConfig, device_type: str, vocab_size: int, saved: dict | None = None
 ) -> ModelConfig:
     """The model to train: from a checkpoint when resuming (explicit flags must agree), else from flags."""
-    overrides = {"window_schedule": cfg.window_schedule, "mlp": cfg.mlp, "dropout": cfg.dropout, "vocab_size": vocab_size}
+    overrides = {"window_schedule": cfg.window_schedule, "mlp": cfg.mlp, "dropout": cfg.dropout,
+                 "attention_dropout": cfg.attention_dropout, "tie_embeddings": cfg.tie_embeddings, "vocab_size": vocab_size}
     if cfg.index is not None:
         from tscale_p2p.index import index_hash
 

@@ -59,6 +59,11 @@ def is_matrix(name: str, param: torch.Tensor) -> bool:
     return param.dim() >= 2 and "emb" not in name
 
 
+def is_embedding(name: str, param: torch.Tensor) -> bool:
+    """An embedding table (a tied output head included: it is registered as the token embedding)."""
+    return param.dim() >= 2 and "emb" in name
+
+
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
@@ -92,6 +97,9 @@ class Trainer:
         self.precision = choose_precision(cfg.precision, device)
         limit_gpu_memory(cfg.gpu_memory_limit, device)
         self.offloaded = cfg.offload != "none"
+        if self.offloaded and model_cfg.tie_embeddings:
+            # offload moves weights unit by unit in forward order; a tied matrix belongs to the first and the last
+            raise UserError("a model with tied embeddings cannot be trained with --offload optimizer")
         if self.offloaded:
             self._check_host_memory()
         torch.manual_seed(cfg.seed)
@@ -132,13 +140,20 @@ class Trainer:
                                     device=self.device)
 
     def _make_optimizer(self):
-        """Fused AdamW (on the CPU too: faster than its for-loop default), or its offloaded twin."""
-        matrices = [p for n, p in self.model.named_parameters() if is_matrix(n, p)]
-        others = [p for n, p in self.model.named_parameters() if not is_matrix(n, p)]
+        """Fused AdamW (on the CPU too: faster than its for-loop default), or its offloaded twin. Matrices decay
+        by --weight-decay; embeddings by --embedding-weight-decay, in a group of their own only when it is on,
+        so a run without it has the two groups that its earlier checkpoints hold; norms never decay."""
+        named = list(self.model.named_parameters())
+        decay_embeddings = self.cfg.embedding_weight_decay > 0
+        matrices = [p for n, p in named if is_matrix(n, p)]
+        embeddings = [p for n, p in named if is_embedding(n, p)] if decay_embeddings else []
+        others = [p for n, p in named if not is_matrix(n, p) and not (decay_embeddings and is_embedding(n, p))]
         groups = [
             {"params": matrices, "weight_decay": self.cfg.weight_decay},
             {"params": others, "weight_decay": 0.0},
         ]
+        if decay_embeddings:
+            groups.append({"params": embeddings, "weight_decay": self.cfg.embedding_weight_decay})
         betas = (0.9, self.cfg.beta2)
         if self.offloaded:
             from tscale_p2p.offload import OffloadedAdamW
