@@ -11,8 +11,10 @@ every layer's attention, in bf16), windowed schedule vs dense, and prints the at
 Part 3 races one of our runs against nanoGPT's own ``train.py config/train_shakespeare_char.py`` on the same
 GPU and the same split, one after the other, each in a fresh process: the wall time from launching the
 process to the first val loss at or under the target, and each one's best val loss (each evaluated its own
-way: nanoGPT's mean of 200 random val batches, ours every val window). nanoGPT is not part of the project:
-pass a checkout of it with ``--nanogpt DIR``; its ``prepare.py`` runs first, untimed.
+way: nanoGPT's mean of 200 random val batches, ours every val window), each compiling from an empty cache.
+Then nanoGPT's saved checkpoint of its lowest reading is evaluated on every val window, as ours are.
+nanoGPT is not part of the project: pass a checkout of it with ``--nanogpt DIR``; its ``prepare.py`` runs
+first, untimed.
 
     python benchmarks/train_shakespeare.py --data PATH/tinyshakespeare.txt [--runs a,b] [--part 1|2|both]
     python benchmarks/train_shakespeare.py --data PATH/tinyshakespeare.txt --part 3 --runs NAME --nanogpt DIR
@@ -21,18 +23,25 @@ pass a checkout of it with ``--nanogpt DIR``; its ``prepare.py`` runs first, unt
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import pickle
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from tscale_p2p.config import TrainConfig
+from tscale_p2p.config import TrainConfig, read_toml_section
 from tscale_p2p.data import load_corpus
+from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, windowed_attention
+from tscale_p2p.solo import model_config_for
 from tscale_p2p.trainer import Trainer
 
 NANOGPT = dict(batch_size=64, lr=1e-3, min_lr_ratio=0.1, warmup=100, steps=5000, beta2=0.99, dropout=0.2)
@@ -58,17 +67,26 @@ RUNS = {
     "d3-wd5-1500": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.3, "weight_decay": 0.5, "steps": 1500}),
     "d3-wd10-1500": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.3, "weight_decay": 1.0, "steps": 1500}),
     "d35-wd5-1800": dict(model="e384h6d6w256", **{**NANOGPT, "dropout": 0.35, "weight_decay": 0.5, "steps": 1800}),
+    # nanoGPT's other regularisers: a tied head, decayed embeddings (e: their weight decay), attention dropout (a)
+    "tie-d3-wd10-e1-1500": dict(model="e384h6d6w256", tie_embeddings=True, embedding_weight_decay=0.1,
+                                **{**NANOGPT, "dropout": 0.3, "weight_decay": 1.0, "steps": 1500}),
+    "tie-d3-wd3-e3-1500": dict(model="e384h6d6w256", tie_embeddings=True, embedding_weight_decay=0.3,
+                               **{**NANOGPT, "dropout": 0.3, "weight_decay": 0.3, "steps": 1500}),
+    "d3-a1-wd10-1500": dict(model="e384h6d6w256", attention_dropout=0.1,
+                            **{**NANOGPT, "dropout": 0.3, "weight_decay": 1.0, "steps": 1500}),
+    "tie-d2-a2-wd3-e3-2000": dict(model="e384h6d6w256", tie_embeddings=True, embedding_weight_decay=0.3,
+                                  attention_dropout=0.2, **{**NANOGPT, "dropout": 0.2, "weight_decay": 0.3, "steps": 2000}),
 }
 
 
-def train_to_target(name: str, data: str, target: float, eval_every: int, device: str = "cuda", *,
-                    whole_schedule: bool = False, seed: int = 0) -> dict:
-    """Train run `name`, evaluating every `eval_every` steps; stop at the target unless `whole_schedule`."""
-    settings = RUNS[name]
-    cfg = TrainConfig(data=data, device=device, eval_every=eval_every, seed=seed, **settings)
+def train_to_target(name: str, data: str, target: float, eval_every: int, *, whole_schedule: bool = False,
+                    seed: int = 0, overrides: dict | None = None) -> dict:
+    """Train run `name` on CUDA, with `overrides` of its TrainConfig settings, evaluating every `eval_every` steps;
+    stop at the target unless `whole_schedule`."""
+    cfg = TrainConfig(**{"data": data, "eval_every": eval_every, "seed": seed, "device": "cuda", **RUNS[name],
+                         **(overrides or {})})
     corpus = load_corpus(data)
-    model_cfg = ModelConfig.from_dims(cfg.model, window_schedule=cfg.window_schedule, mlp=cfg.mlp, dropout=cfg.dropout)
-    trainer = Trainer(model_cfg, cfg, corpus, torch.device(device))
+    trainer = Trainer(model_config_for(cfg, cfg.device, corpus.vocab_size), cfg, corpus, torch.device(cfg.device))
     params = sum(p.numel() for p in trainer.model.parameters())
     start = time.perf_counter()
     train_seconds, reached_at, curve, intervals = 0.0, None, [], []
@@ -127,11 +145,12 @@ NANOGPT_EVAL = re.compile(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)")
 OURS_EVAL = re.compile(r" step\s+(\d+) val ([\d.]+)")
 
 
-def timed_val_losses(command: list[str], cwd: Path, pattern: re.Pattern, log) -> list[tuple[float, int, float]]:
+def timed_val_losses(command: list[str], cwd: Path, pattern: re.Pattern, log, env: dict) -> list[tuple[float, int, float]]:
     """Run `command` and return (seconds since launch, step, val loss) for each evaluation it prints."""
     start = time.perf_counter()
     readings = []
-    with subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env) as proc:
         for line in proc.stdout:
             elapsed = time.perf_counter() - start
             log.write(f"{elapsed:8.2f} {line}")
@@ -142,22 +161,54 @@ def timed_val_losses(command: list[str], cwd: Path, pattern: re.Pattern, log) ->
     return readings
 
 
-def race_nanogpt(run: str, data: str, nanogpt: Path, target: float, eval_every: int, seed: int) -> None:
-    """Part 3: nanoGPT's shakespeare_char config and our run `run`, one after the other, timed from launch."""
+@torch.no_grad()
+def nanogpt_on_our_windows(nanogpt: Path, data: str, device: str, batch_size: int = 64) -> tuple[float, int]:
+    """nanoGPT's saved checkpoint (it keeps the one of its lowest val reading) evaluated as ours is, on every
+    non-overlapping window of val with our batches: (val loss, the step it was saved at). nanoGPT's own reading
+    is a mean over 200 random batches, so the lowest of its readings is biased low by their noise."""
+    prepared = nanogpt / "data" / "shakespeare_char"
+    with open(prepared / "meta.pkl", "rb") as handle:
+        chars = pickle.load(handle)["stoi"]
+    ids = torch.zeros(256, dtype=torch.long)  # our byte -> nanoGPT's character id (the text is ASCII)
+    for char, number in chars.items():
+        ids[ord(char)] = number
+    ids = ids.to(device)
+    spec = importlib.util.spec_from_file_location("nanogpt_model", nanogpt / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    saved = torch.load(nanogpt / "out-shakespeare-char" / "ckpt.pt", map_location=device)
+    model = module.GPT(module.GPTConfig(**saved["model_args"]))
+    model.load_state_dict({name.removeprefix("_orig_mod."): w for name, w in saved["model"].items()})
+    model.to(device).eval()
+    losses = []
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):  # as nanoGPT evaluates
+        for x, y in load_corpus(data).eval_batches(batch_size, saved["model_args"]["block_size"], None, device):
+            losses.append(model(ids[x], ids[y])[1].float())
+    return torch.stack(losses).mean().item(), saved["iter_num"]
+
+
+def race_nanogpt(run: str, data: str, nanogpt: Path, target: float, eval_every: int, seed: int, *,
+                 overrides: Path | None = None, nanogpt_args: tuple[str, ...] = ()) -> None:
+    """Part 3: nanoGPT's shakespeare_char config and our run `run`, one after the other, timed from launch, each
+    compiling from an empty cache as on a fresh machine (no warm-up from a sweep run before)."""
     prepared = nanogpt / "data" / "shakespeare_char"
     shutil.copyfile(data, prepared / "input.txt")  # prepare.py reads it instead of downloading
     subprocess.run([sys.executable, "prepare.py"], cwd=prepared, check=True, stdout=subprocess.DEVNULL)
     ours = [sys.executable, str(Path(__file__).resolve()), "--data", str(Path(data).resolve()), "--part", "1",
-            "--runs", run, "--target", str(target), "--eval-every", str(eval_every), "--whole-schedule", "--seed", str(seed)]
+            "--runs", run, "--target", str(target), "--eval-every", str(eval_every), "--whole-schedule",
+            "--seed", str(seed), *(["--overrides", str(overrides.resolve())] if overrides else [])]
     contenders = [
-        ("nanoGPT train.py config/train_shakespeare_char.py", [sys.executable, "train.py", "config/train_shakespeare_char.py"], nanogpt, NANOGPT_EVAL),
-        (f"ours: {run}", ours, Path.cwd(), OURS_EVAL),
+        ("nanoGPT train.py config/train_shakespeare_char.py",
+         [sys.executable, "train.py", "config/train_shakespeare_char.py", *nanogpt_args], nanogpt, NANOGPT_EVAL),
+        (f"ours: {run}, seed {seed}", ours, Path.cwd(), OURS_EVAL),
     ]
     rows = []
     with open("race.log", "w") as log:
         for label, command, cwd, pattern in contenders:
             log.write(f"### {label}\n")
-            readings = timed_val_losses(command, cwd, pattern, log)
+            with tempfile.TemporaryDirectory(prefix="race-compile-") as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+                readings = timed_val_losses(command, cwd, pattern, log, env)
             first = next(((t, step) for t, step, loss in readings if loss <= target), None)
             best = min(readings, key=lambda r: r[2])
             rows.append((label, first, best, readings[-1][0]))
@@ -168,6 +219,9 @@ def race_nanogpt(run: str, data: str, nanogpt: Path, target: float, eval_every: 
         to_target = f"{first[0]:.1f} s | {first[1]}" if first else "not reached | -"
         ratio = f"{base / first[0]:.2f}x faster" if first and base else "-"
         print(f"| {label} | {to_target} | {best[2]:.4f} ({best[1]}) | {end:.1f} s | {ratio} |")
+    exact, step = nanogpt_on_our_windows(nanogpt, data, "cuda" if torch.cuda.is_available() else "cpu")
+    print(f"nanoGPT's saved checkpoint (step {step}, its lowest reading) on every val window, as ours is "
+          f"evaluated: {exact:.4f}")
 
 
 def main() -> None:
@@ -180,7 +234,16 @@ def main() -> None:
     parser.add_argument("--whole-schedule", action="store_true", help="part 1: train on past the target to the end")
     parser.add_argument("--nanogpt", type=Path, help="part 3: a checkout of nanoGPT to race against")
     parser.add_argument("--seed", type=int, default=0, help="our runs' seed for weights and data sampling")
+    parser.add_argument("--overrides", type=Path, metavar="TOML",
+                        help="parts 1 and 3: a TOML file of train settings that override our runs' own, as in "
+                             "tscale-peer train --config (a smoke test: steps = 4, device = \"cpu\", ...)")
+    parser.add_argument("--nanogpt-args", default="", metavar="ARGS",
+                        help="part 3: more arguments for nanoGPT's train.py, e.g. '--max_iters=20 --device=cpu'")
     args = parser.parse_args()
+    try:
+        overrides = read_toml_section(args.overrides, TrainConfig) if args.overrides else {}
+    except UserError as error:
+        parser.error(str(error))
     unknown = [name for name in args.runs.split(",") if name not in RUNS]
     if unknown:
         parser.error(f"unknown --runs {','.join(unknown)}; choose from {', '.join(RUNS)}")
@@ -189,14 +252,16 @@ def main() -> None:
             parser.error(f"--part 3 needs --nanogpt DIR holding nanoGPT's train.py, got {args.nanogpt}")
         if "," in args.runs:
             parser.error(f"--part 3 races one run, got --runs {args.runs}")
-        race_nanogpt(args.runs, args.data, args.nanogpt.resolve(), args.target, args.eval_every, args.seed)
+        race_nanogpt(args.runs, args.data, args.nanogpt.resolve(), args.target, args.eval_every, args.seed,
+                     overrides=args.overrides, nanogpt_args=tuple(shlex.split(args.nanogpt_args)))
         return
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    print(f"device: {device_name}  torch {torch.__version__}")
 
     if args.part in ("1", "both"):
         results = [
             train_to_target(name, args.data, args.target, args.eval_every, whole_schedule=args.whole_schedule,
-                            seed=args.seed)
+                            seed=args.seed, overrides=overrides)
             for name in args.runs.split(",")
         ]
         print(f"\n| run | params | steps to {args.target} | train s to target | wall s incl. compile+eval | ms/step | best val |")
