@@ -10,14 +10,14 @@ import argparse
 import logging
 import sys
 import typing
-from dataclasses import MISSING, fields
 
 from tscale_p2p import __version__
-from tscale_p2p.config import TrainConfig, field_types
+from tscale_p2p.config import TRAIN_SECTIONS, TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.cli.generate import add_infer_parser, add_serve_parser
 from tscale_p2p.cli.launch import add_launch_flags, check_launch_flags, launch, launch_flags_given
 from tscale_p2p.cli.index import add_index_parser
+from tscale_p2p.cli.options import Command, Loaded
 
 PROG = "tscale-peer"
 
@@ -28,38 +28,12 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    """One flag per dataclass field; defaults are suppressed so we can tell which flags were given."""
-    accepted = field_types(cls)
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kinds = [t for t in accepted[f.name] if t is not type(None)]
-        default = f.default if f.default is not MISSING else None
-        help_text = f.metadata.get("help", "")
-        if default is not None and kinds[0] is not bool:
-            help_text += f" (default: {default})"
-        if kinds[0] is bool:
-            action = "store_true" if default is False else argparse.BooleanOptionalAction
-            parser.add_argument(flag, action=action, default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(
-                flag,
-                type=kinds[0],
-                choices=f.metadata.get("choices"),
-                default=argparse.SUPPRESS,
-                metavar=None if "choices" in f.metadata else f.name.upper(),
-                help=help_text,
-            )
+TRAIN = Command(tuple(TRAIN_SECTIONS.items()))
 
 
-def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Built-in defaults < --config file < flags given on the command line."""
-    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
-    if getattr(args, "config", None):
-        return TrainConfig.from_toml(args.config, **given)
-    return TrainConfig(**given)
+def train_config(loaded: Loaded) -> TrainConfig:
+    """The TrainConfig of a command's loaded training sections."""
+    return TrainConfig(**loaded.values(*(name for name in TRAIN_SECTIONS if name in loaded.sections)))
 
 
 def build_parser() -> ArgumentParser:
@@ -78,8 +52,7 @@ def build_parser() -> ArgumentParser:
         description="Train a model alone on this machine. With no flags it trains a tiny model on the "
         "Python standard library's own source code, which every install has.",
     )
-    train.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file; flags override it")
-    add_dataclass_flags(train, TrainConfig)
+    TRAIN.add_flags(train)
     add_launch_flags(train)
     train.set_defaults(handler=run_train)
 
@@ -101,7 +74,7 @@ def run_train(args: argparse.Namespace) -> int:
     from tscale_p2p.solo import train_solo
     from tscale_p2p.device import resolve_device
 
-    cfg = train_config_from_args(args)
+    cfg = train_config(TRAIN.load(args))
     env = RankEnvironment.from_environ()
     if launch_flags_given(args):
         if env is not None:

@@ -10,14 +10,52 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
-from tscale_p2p.cli import add_dataclass_flags, train_config_from_args
-from tscale_p2p.config import SYNC_FIELDS, TrainConfig, read_toml_section
-from tscale_p2p.errors import UserError
+from pydantic.dataclasses import dataclass
 
-DEFAULT_RUN_ID = "tscale"
+from tscale_p2p.cli import TRAIN, train_config
+from tscale_p2p.cli.network import LISTENING, NetworkSettings
+from tscale_p2p.cli.options import Command, Loaded
+from tscale_p2p.settings import SECTION_CONFIG, option
+
+
+@dataclass(config=SECTION_CONFIG)
+class SwarmSettings:
+    """This peer in the swarm (a new run's settings are adopted by its joiners)."""
+
+    name: str | None = option(None, "the name other peers see (default: peer-<id suffix>)", metavar="PUBLIC_NAME")
+    inner_steps: int | None = option(None, "local steps between averaging rounds (a new run's setting; default 200)",
+                                     metavar="H", ge=1)
+    outer_lr: float | None = option(None, "outer Nesterov SGD learning rate (new run; 1.0)", metavar="LR", gt=0)
+    outer_momentum: float | None = option(None, "outer Nesterov momentum (new run; 0.7)", metavar="M", ge=0, lt=1)
+    max_steps: int | None = option(None, "stop after N local steps (for scripts)", metavar="N", ge=1)
+    init_from: str | None = option(
+        None, "start from a checkpoint of another run (e.g. `tscale-peer train`'s step-* folder, or its --out for the "
+        "newest): its weights, optimizer state and step; a new run takes its model. Ignored when --out already "
+        "holds this peer's own checkpoint", metavar="CHECKPOINT")
+    min_peers: int = option(1, "wait until N peers (this one included) are online before training (for scripts)",
+                            metavar="N", ge=1)
+    matchmaking_time: float = option(5.0, "seconds a round waits to gather peers", metavar="S", gt=0)
+    averaging_timeout: float = option(
+        30.0, "a round that finds no group in S seconds is applied alone (default: 30; with no other peer training, "
+        "after two matchmaking windows)", metavar="S", gt=0)
+    error_feedback: Literal["off", "damped", "full"] = option(
+        "damped", "what a 1-bit update could not carry: 'off' drops it, 'full' (the flag alone) adds it to the next "
+        "round's, 'damped' adds half of it", const="full")
+    threads: int | None = option(
+        None, "CPU threads for this peer's tensor math (CPU training, offloaded optimizer, packing updates). Default: "
+        "$OMP_NUM_THREADS if set, else this machine's cores divided by the join peers running on it (peers that "
+        "each use every core starve one another)", metavar="N", ge=1)
+    tui: bool = option(True, "the dashboard (--no-tui: plain log lines)")
+
+
+# join resumes whenever OUT has a checkpoint; the data-parallel settings belong to `train`
+JOIN = Command((("network", NetworkSettings), ("swarm", SwarmSettings),
+                *((name, cls) for name, cls in TRAIN.sections if name != "sync")), skip=frozenset({"run.resume"}))
+WATCH = Command((("network", NetworkSettings),), skip=LISTENING)  # peers and dashboard: dial out, read the swarm
 
 
 def add_join_parser(commands) -> None:
@@ -28,49 +66,7 @@ def add_join_parser(commands) -> None:
         "prints the line others use to join). Joiners adopt the run's model and schedule, so they need no "
         "model flags; Ctrl+C saves a checkpoint and leaves (a second Ctrl+C leaves at once).",
     )
-    swarm = join.add_argument_group("swarm")
-    swarm.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
-                       help="multiaddrs of running peers, e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...")
-    swarm.add_argument("--run-id", default=DEFAULT_RUN_ID, metavar="NAME",
-                       help=f"which run to join; DHT keys are namespaced by it (default: {DEFAULT_RUN_ID})")
-    swarm.add_argument("--name", metavar="PUBLIC_NAME", help="the name other peers see (default: peer-<id suffix>)")
-    swarm.add_argument("--identity-path", metavar="FILE",
-                       help="private key file that keeps this peer's id across restarts (default: OUT/identity.key)")
-    swarm.add_argument("--host-maddrs", nargs="+", default=[], metavar="MADDR",
-                       help="where to listen (default: /ip4/0.0.0.0/tcp/PORT)")
-    swarm.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
-                       help="addresses to tell other peers, e.g. the public address in front of a port forward")
-    swarm.add_argument("--port", type=int, metavar="PORT", help="TCP port to listen on, all interfaces (default: any)")
-    swarm.add_argument("--client-mode", action="store_true",
-                       help="behind NAT/firewall: only dial out (reached through relays); serves no state")
-    swarm.add_argument("--inner-steps", type=int, metavar="H",
-                       help="local steps between averaging rounds (a new run's setting; default 200)")
-    swarm.add_argument("--outer-lr", type=float, metavar="LR", help="outer Nesterov SGD learning rate (new run; 1.0)")
-    swarm.add_argument("--outer-momentum", type=float, metavar="M", help="outer Nesterov momentum (new run; 0.7)")
-    swarm.add_argument("--max-steps", type=int, metavar="N", help="stop after N local steps (for scripts)")
-    swarm.add_argument("--init-from", metavar="CHECKPOINT",
-                       help="start from a checkpoint of another run (e.g. `tscale-peer train`'s step-* folder, or "
-                       "its --out for the newest): its weights, optimizer state and step; a new run takes its "
-                       "model. Ignored when --out already holds this peer's own checkpoint")
-    swarm.add_argument("--min-peers", type=int, default=1, metavar="N",
-                       help="wait until N peers (this one included) are online before training (for scripts)")
-    swarm.add_argument("--matchmaking-time", type=float, default=5.0, metavar="S",
-                       help="seconds a round waits to gather peers (default: 5)")
-    swarm.add_argument("--averaging-timeout", type=float, default=30.0, metavar="S",
-                       help="a round that finds no group in S seconds is applied alone (default: 30; with no "
-                       "other peer training, after two matchmaking windows)")
-    swarm.add_argument("--error-feedback", nargs="?", const="full", default="damped", choices=("off", "damped", "full"),
-                       help="what a 1-bit update could not carry: 'off' drops it, 'full' (the flag alone) adds it "
-                       "to the next round's, 'damped' adds half of it (default: %(default)s)")
-    swarm.add_argument("--threads", type=int, metavar="N",
-                       help="CPU threads for this peer's tensor math (CPU training, offloaded optimizer, packing "
-                       "updates). Default: $OMP_NUM_THREADS if set, else this machine's cores divided by the "
-                       "join peers running on it (peers that each use every core starve one another)")
-    swarm.add_argument("--no-tui", action="store_true", help="plain log lines instead of the dashboard")
-    training = join.add_argument_group("training (a joiner adopts the run's model and schedule)")
-    training.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file; flags override it")
-    # join resumes whenever OUT has a checkpoint; the data-parallel settings belong to `train`
-    add_dataclass_flags(training, TrainConfig, skip=("resume", *SYNC_FIELDS))
+    JOIN.add_flags(join)
     join.set_defaults(handler=run_join)
 
 
@@ -80,8 +76,7 @@ def add_peers_parser(commands) -> None:
         help="list the live peers of a swarm run",
         description="Connect to a swarm (dial-out only) and print the metrics every live peer publishes.",
     )
-    peers.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of running peers")
-    peers.add_argument("--run-id", default=DEFAULT_RUN_ID, metavar="NAME", help=f"the run (default: {DEFAULT_RUN_ID})")
+    WATCH.add_flags(peers)
     peers.add_argument("--json", action="store_true", help="print JSON (a list of records) instead of a table")
     peers.set_defaults(handler=run_peers)
 
@@ -92,9 +87,10 @@ def run_join(args: argparse.Namespace) -> int:
     from tscale_p2p.peers.status import LocalStatus
     from tscale_p2p.tui.terminal import dashboard_can_run  # a light module: Textual is imported only to draw
 
-    cfg, explicit, options = join_inputs(args)
+    loaded = JOIN.load(args)
+    cfg, explicit, options = join_settings(loaded)
     status = LocalStatus()
-    if args.no_tui or not dashboard_can_run():
+    if not loaded["swarm"].tui or not dashboard_can_run():
         try:
             return join(cfg, explicit, options, status)
         except KeyboardInterrupt:  # Ctrl+C before join() took over SIGINT (while starting up)
@@ -106,67 +102,55 @@ def run_join(args: argparse.Namespace) -> int:
 
 
 def join_inputs(args: argparse.Namespace):
-    """(TrainConfig, explicit settings, JoinOptions) for `peers.join.join` from parsed `join` flags; raises
-    UserError for bad values. The dashboard uses it too, to run `join` in a worker thread with its status."""
+    """(TrainConfig, explicit settings, JoinOptions) for `peers.join.join` from parsed `join` flags (and the
+    --config file they name); raises UserError for bad values. For running `join` in a thread of one's own."""
+    return join_settings(JOIN.load(args))
+
+
+def join_settings(loaded: Loaded):
+    """`join_inputs` of `join`'s loaded settings."""
     from tscale_p2p.peers.join import JoinOptions
     from tscale_p2p.peers.metrics import check_public_name
-    from tscale_p2p.peers.network import NetworkOptions, host_maddrs_for, parse_multiaddrs
-    from tscale_p2p.peers.run_config import check_run_id
+    from tscale_p2p.peers.network import NetworkOptions
 
-    run_id = check_run_id(args.run_id)
-    explicit = explicit_settings(args)
-    cfg = train_config_from_args(args)
+    network, swarm = loaded["network"], loaded["swarm"]
+    # Settings the user chose (TOML file, then flags): these must agree with a run being joined.
+    explicit = loaded.explicit(*(name for name, _ in JOIN.sections if name != "network"))
+    cfg = train_config(loaded)
     if "out" not in explicit:
-        cfg = replace(cfg, out=str(Path("runs") / run_id))
-    for name in ("inner_steps", "max_steps", "min_peers", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("matchmaking_time", "averaging_timeout"):
-        if not getattr(args, name) > 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    network = NetworkOptions(
-        initial_peers=parse_multiaddrs(args.initial_peers, "--initial-peers", need_peer_id=True),
-        host_maddrs=host_maddrs_for(args.port, args.host_maddrs),
-        announce_maddrs=parse_multiaddrs(args.announce_maddrs, "--announce-maddrs"),
-        client_mode=args.client_mode,
-        identity_path=args.identity_path or str(Path(cfg.out) / "identity.key"),
-    )
+        cfg = replace(cfg, out=str(Path("runs") / network.run_id))
     options = JoinOptions(
-        network=network,
-        run_id=run_id,
-        name=check_public_name(args.name),
-        inner_steps=args.inner_steps,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
-        max_steps=args.max_steps,
-        min_peers=args.min_peers,
-        threads=args.threads,
-        matchmaking_time=args.matchmaking_time,
-        averaging_timeout=args.averaging_timeout,
-        error_feedback=args.error_feedback,
-        init_from=args.init_from,
+        network=NetworkOptions(
+            initial_peers=network.initial_peers,
+            host_maddrs=network.listen_on,
+            announce_maddrs=network.announce_maddrs,
+            client_mode=network.client_mode,
+            identity_path=network.identity_path or str(Path(cfg.out) / "identity.key"),
+        ),
+        run_id=network.run_id,
+        name=check_public_name(swarm.name),
+        inner_steps=swarm.inner_steps,
+        outer_lr=swarm.outer_lr,
+        outer_momentum=swarm.outer_momentum,
+        max_steps=swarm.max_steps,
+        min_peers=swarm.min_peers,
+        threads=swarm.threads,
+        matchmaking_time=swarm.matchmaking_time,
+        averaging_timeout=swarm.averaging_timeout,
+        error_feedback=swarm.error_feedback,
+        init_from=swarm.init_from,
     )
     return cfg, explicit, options
 
 
-def explicit_settings(args: argparse.Namespace) -> dict:
-    """Settings the user chose (TOML file, then flags): these must agree with a run being joined."""
-    explicit = read_toml_section(args.config, TrainConfig) if args.config else {}
-    explicit.update({f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
-    for name in ("inner_steps", "outer_lr", "outer_momentum"):
-        if getattr(args, name) is not None:
-            explicit[name] = getattr(args, name)
-    return explicit
-
-
 def run_peers(args: argparse.Namespace) -> int:
     from tscale_p2p.peers.metrics import SwarmMetrics
-    from tscale_p2p.peers.network import NetworkOptions, parse_multiaddrs, start_dht
-    from tscale_p2p.peers.run_config import check_run_id
+    from tscale_p2p.peers.network import NetworkOptions, start_dht
 
-    run_id = check_run_id(args.run_id)
+    settings = WATCH.load(args)["network"]
+    run_id = settings.run_id
     network = NetworkOptions(
-        initial_peers=parse_multiaddrs(args.initial_peers, "--initial-peers", need_peer_id=True),
+        initial_peers=settings.need_initial_peers(),
         host_maddrs=("/ip4/127.0.0.1/tcp/0",),  # dial-out only: nothing needs to reach us
         client_mode=True,
         retry_for_s=30.0,

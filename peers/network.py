@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NetworkOptions:
-    """How this peer joins the DHT (the network flags of `tscale-peer join` / `peers`)."""
+    """How this peer joins the DHT (built from the command line's network section, `cli/network.py`)."""
 
     initial_peers: tuple[str, ...] = ()
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
@@ -67,17 +67,6 @@ def peer_ids_in(maddrs: Sequence[str]) -> frozenset[str]:
         except (multiaddr.exceptions.Error, ValueError):
             continue  # no /p2p/ part
     return frozenset(ids)
-
-
-def host_maddrs_for(port: int | None, host_maddrs: Sequence[str]) -> tuple[str, ...]:
-    """--host-maddrs as given, else all interfaces on --port (0: any free port), so volunteers are reachable."""
-    if host_maddrs:
-        if port is not None:
-            raise UserError("give either --port or --host-maddrs, not both")
-        return parse_multiaddrs(host_maddrs, "--host-maddrs")
-    if port is not None and not 0 <= port < 65536:
-        raise UserError(f"--port must be in 0-65535, got {port}")
-    return (f"/ip4/0.0.0.0/tcp/{port or 0}",)
 
 
 _PR_SET_PDEATHSIG = 1
