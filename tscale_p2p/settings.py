@@ -7,7 +7,6 @@ values; `one_line()` turns pydantic's report into the project's one line naming 
 
 from __future__ import annotations
 
-import dataclasses
 import types
 import typing
 
@@ -50,7 +49,7 @@ def one_line(error: pydantic.ValidationError, cls, name_of: typing.Callable[[str
     loc = [part for part in problem["loc"] if isinstance(part, str)]
     field = loc[-1] if loc else ""
     name, kind, ctx, value = name_of(field), problem["type"], problem.get("ctx", {}), problem.get("input")
-    info = section_fields(cls).get(field) if dataclasses.is_dataclass(cls) else None
+    info = section_fields(cls).get(field)
     unit = field_extra(info).get("unit") if info else None
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         return f"unknown setting {name}"
