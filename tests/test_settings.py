@@ -1,11 +1,14 @@
 """One config system: each flag declared once in a section, taken alike by every command that has it; a
 `--config` TOML file of tables (or top-level keys) under the flags; every bad value one line, exit 2."""
 
+from pathlib import Path
+
 import pytest
 
 from tscale_p2p.cli import TRAIN, build_parser, main, train_config
 from tscale_p2p.cli.generate import INFER, SERVE
 from tscale_p2p.cli.swarm import JOIN, WATCH, join_inputs
+from tscale_p2p.errors import UserError
 
 NETWORK_COMMANDS = {"join": JOIN, "peers": WATCH, "dashboard": WATCH, "infer": INFER, "serve": SERVE}
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmX2jXBEjUG1a4Na2zp8icDAy92brp2EMDNKFt1eJp2gQS"
@@ -95,3 +98,14 @@ def test_a_missing_config_file_is_one_line(tmp_path, capsys):
 
 def test_a_watcher_without_initial_peers_is_told_what_to_give(capsys):
     assert "give --initial-peers" in _one_line_error(capsys, ["peers"])
+
+
+def test_the_readmes_config_example_is_a_valid_join_config(tmp_path):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    (tmp_path / "join.toml").write_text(readme.split("```toml\n")[1].split("```")[0])
+    with pytest.raises(UserError, match="initial-peers"):  # its peer id is a placeholder; a flag replaces it
+        join_inputs(build_parser().parse_args(["join", "--config", str(tmp_path / "join.toml")]))
+    cfg, _, options = join_inputs(build_parser().parse_args(["join", "--config", str(tmp_path / "join.toml"),
+                                                              "--initial-peers", PEER]))
+    assert (cfg.model, cfg.steps, cfg.lr) == ("e384h6d6w256", 1000, 1e-3)
+    assert options.network.initial_peers == (PEER,)
