@@ -253,7 +253,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             log.info(
                 "trainer busy %.1f%% of %.0f s in the swarm loop; %.1f s to average the last round on leaving; "
                 "%d tokens contributed",
-                100 * peer.training_s / peer.wall_s, peer.wall_s, peer.drain_s, peer.tokens_contributed,
+                100 * peer.training_s / peer.wall_s, peer.wall_s, peer.drain_s, peer.report.tokens_contributed,
             )
         path = peer.save()
         log.info("checkpoint written to %s", path)

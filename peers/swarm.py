@@ -4,7 +4,7 @@ progress made meanwhile.
 
 The loop talks to the trainer only through `local_step()`, `snapshot()` and `apply_outer_update()`, and to
 the network only through a `RoundAverager` (`SwarmAverager`, peers/averaging.py), the round clock
-(`RoundClock`, peers/progress.py) and `SwarmMetrics`. When to end, schedule, give up or resync a round is
+(`RoundClock`, peers/progress.py) and its `SwarmReport` (status, log lines, metrics: peers/swarm_report.py). When to end, schedule, give up or resync a round is
 decided by `RoundSchedule` (peers/schedule.py); the outer step and the correction for the local progress are
 `OuterOptimizer` and `DelayedOuterStep` (peers/outer.py); the outer state a joiner downloads and a checkpoint
 keeps is a `SwarmState` (peers/swarm_state.py).
@@ -36,22 +36,21 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from tscale_p2p import __version__
 from tscale_p2p.peers.averaging import RoundOutcome
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.progress import RoundClock
-from tscale_p2p.peers.run_config import RunConfig, SignedRun, publish_run_config
+from tscale_p2p.peers.run_config import RunConfig, SignedRun
 from tscale_p2p.peers.schedule import Base, LastSteps, Resync, RoundSchedule, group_consensus, resync_plan
 from tscale_p2p.peers.state_download import StateCheck, announce_state
-from tscale_p2p.peers.status import AveragingRecord, LocalStatus
+from tscale_p2p.peers.status import LocalStatus
+from tscale_p2p.peers.swarm_report import SwarmReport
 from tscale_p2p.peers.swarm_state import SWARM_STATE_FILE, SwarmState, fingerprint, read_state_file
 from tscale_p2p.trainer import Trainer
 from tscale_p2p.tokenizer import BPETokenizer, to_wire
 
 log = logging.getLogger(__name__)
 
-CONFIG_REFRESH_S = 3600.0
 RESYNC_TIMEOUT_S = 60.0
 
 
@@ -133,7 +132,6 @@ class SwarmPeer:
     ) -> None:
         self.trainer, self.metrics, self.identity, self.status = trainer, metrics, identity, status
         self.run_config, self.run_hash = run, run.hash
-        self.signed_run = signed_run
         self.max_steps, self.publish_every_s = max_steps, publish_every_s
         tokenizer = trainer.corpus.tokenizer
         self._tokenizer_wire = to_wire(tokenizer) if isinstance(tokenizer, BPETokenizer) else None
@@ -150,13 +148,13 @@ class SwarmPeer:
         self._fingerprint = self.weights_fingerprint()  # of the global weights, refreshed when they change
         self.state_check = StateCheck.of(identity.run_id, run, list(self.outer.weights.values()))
         self.averager: RoundAverager = averager_factory(list(self.outer.weights.values()), self.shared_state)
-        self.bytes_sent = self.bytes_received = 0
-        self.last_averaging: float | None = None
-        self.tokens_contributed = 0
+        self.report = SwarmReport(
+            status, metrics, identity, trainer.precision, sum(w.numel() for w in self.outer.weights.values()),
+            banned_count=lambda: self.averager.banned_count, announce_state=self.announce_state,
+            signed_run=signed_run, publish_every_s=publish_every_s,
+        )
         self._tokens_in_round = 0
         self._in_flight: _InFlight | None = None
-        self._stop_publishing = threading.Event()
-        self._publisher = threading.Thread(target=self._publish_loop, name="swarm-metrics", daemon=True)
         self.clock = clock or RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
         self.schedule = RoundSchedule(self.clock, self.averager.matchmaking_time)
         self.training_s = self.wall_s = 0.0  # for the busy fraction while training
@@ -253,7 +251,7 @@ class SwarmPeer:
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Train rounds until done, `should_stop()` or `status.stop_requested`; leaves the last round applied."""
-        self._publisher.start()
+        self.report.start()
         self.clock.start()
         session_steps, steps_in_round = 0, 0
         window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
@@ -272,7 +270,7 @@ class SwarmPeer:
                 session_steps += 1
                 steps_in_round += 1
                 self._tokens_in_round += stats.tokens
-                self.tokens_contributed += stats.tokens
+                self.report.tokens_contributed += stats.tokens
                 window_tokens += stats.tokens
                 window_steps += 1
                 if self._in_flight is not None and (self._in_flight.pending.done() or self._give_up_round_if_alone()):
@@ -314,8 +312,7 @@ class SwarmPeer:
             self._drain()
             self.clock.stop()
             self.wall_s, self.drain_s = loop_end - loop_start, time.perf_counter() - loop_end
-            self._stop_publishing.set()
-            self._publisher.join(timeout=10)
+            self.report.stop()
 
     def shutdown(self) -> None:
         self.averager.shutdown()
@@ -409,7 +406,7 @@ class SwarmPeer:
             self._fingerprint = self.weights_fingerprint()
         self.trainer.apply_outer_update(weights)
         self._advertise_state()
-        self._report_round(flight, outcome)
+        self.report.round(flight.number, outcome, self._fingerprint)
         if outcome.averaged is not None and not outcome.dropped_peers:
             self.clock.confirm(outcome.group_peers)  # they really averaged with us: their progress counts fully
         consensus = group_consensus(outcome.group_metadata) if outcome.averaged is not None else None
@@ -453,42 +450,6 @@ class SwarmPeer:
         log.info("round %d: back in step with the swarm at round %d, weights %s", flight.number, self.round,
                  self._fingerprint)
 
-    def _report_round(self, flight: _InFlight, outcome: RoundOutcome) -> None:
-        self.bytes_sent += outcome.bytes_sent
-        self.bytes_received += outcome.bytes_received
-        if outcome.averaged is not None:
-            self.last_averaging = time.time()
-        numel = sum(w.numel() for w in self.outer.weights.values())
-        self.status.record_averaging(
-            AveragingRecord(
-                round=flight.number,
-                group_size=outcome.group_size,
-                bytes_up=outcome.bytes_sent,
-                bytes_down=outcome.bytes_received,
-                duration_s=outcome.seconds,
-                bits_per_param=8 * outcome.bytes_sent / numel,
-                dropped_peers=outcome.dropped_peers,
-                bits_per_value=8 * outcome.bytes_sent / outcome.values_sent if outcome.values_sent else 0.0,
-            )
-        )
-        self.status.update(round=flight.number, averaging_in_flight=False)
-        if outcome.averaged is None:
-            log.info("round %d: averaged with nobody (%s); continuing alone", flight.number, outcome.error or "no peers")
-        else:
-            # A groupmate lost mid-round leaves a span of our average different from the others' (zero, or
-            # without that sender): say so, since the weights then differ until the next round's resync.
-            lost = f", lost {outcome.dropped_peers} of them mid-round" if outcome.dropped_peers else ""
-            log.info(
-                "round %d: averaged with %d peer(s)%s in %.1f s, sent %.1f KiB, received %.1f KiB, weights %s",
-                flight.number,
-                outcome.group_size - 1,
-                lost,
-                outcome.seconds,
-                outcome.bytes_sent / 1024,
-                outcome.bytes_received / 1024,
-                self._fingerprint,
-            )
-
     def weights_fingerprint(self) -> str:
         """A short digest of the global weights (`state_download.fingerprint`): peers that applied the same
         rounds print the same one."""
@@ -518,24 +479,11 @@ class SwarmPeer:
     # ---- reporting ----
 
     def _report(self, loss: float, tokens_per_s: float, step_s: float, steps_in_round: int, log_line: bool) -> None:
-        device = self.trainer.device
-        self.status.update(
-            step=self.trainer.step,
-            loss=loss,
-            tokens_per_s=tokens_per_s,
-            tokens_contributed=self.tokens_contributed,
-            gpu_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            seconds_to_next_averaging=self._seconds_to_next_averaging(steps_in_round, step_s),
+        self.report.step(
+            step=self.trainer.step, round_number=self.round, loss=loss, tokens_per_s=tokens_per_s,
+            device=self.trainer.device, seconds_to_next_averaging=self._seconds_to_next_averaging(steps_in_round, step_s),
+            in_flight=self._in_flight is not None, log_line=log_line,
         )
-        if log_line:
-            log.info(
-                "step %d  round %d  loss %.4f  %.0f tok/s%s",
-                self.trainer.step,
-                self.round,
-                loss,
-                tokens_per_s,
-                "  (averaging in the background)" if self._in_flight else "",
-            )
 
     def _seconds_to_next_averaging(self, steps_in_round: int, step_s: float) -> float | None:
         """When this round ends at the swarm's pace (`RoundSchedule.seconds_to_round_end`)."""
@@ -543,41 +491,5 @@ class SwarmPeer:
         return self.schedule.seconds_to_round_end(epoch, steps_in_round, 1.0 / step_s if step_s > 0 else 0.0)
 
     def record(self) -> PeerRecord:
-        snap = self.status.snapshot()
-        return PeerRecord(
-            peer_id=self.identity.peer_id,
-            name=self.identity.name,
-            device=self.identity.device,
-            precision=self.trainer.precision,
-            offload=snap.offload,
-            tokens_per_s=float(snap.tokens_per_s),
-            loss=snap.loss,
-            round=snap.round,
-            step=snap.step,
-            tokens_contributed=snap.tokens_contributed,
-            bytes_sent=self.bytes_sent,
-            bytes_received=self.bytes_received,
-            last_averaging=self.last_averaging,
-            version=__version__,
-            relayed=self.identity.relayed,
-            updated_at=time.time(),
-            dropped_peers=snap.averaging[-1].dropped_peers if snap.averaging else 0,
-            banned_peers=self.averager.banned_count,
-        )
-
-    def _publish_loop(self) -> None:
-        """Every few seconds: publish our metrics record and read everyone's into the status (the dashboard
-        shows those); every hour: the run config (it outlives its founder)."""
-        config_published = -float("inf")
-        while True:
-            try:
-                self.metrics.publish(self.record())
-                self.announce_state()
-                self.status.update(swarm_records=tuple(self.metrics.fetch()))
-                if self.signed_run is not None and time.monotonic() - config_published > CONFIG_REFRESH_S:
-                    publish_run_config(self.metrics.dht, self.identity.run_id, self.signed_run)
-                    config_published = time.monotonic()
-            except Exception as error:  # the DHT may be shutting down; metrics must never stop training
-                log.debug("publishing metrics failed: %s", error)
-            if self._stop_publishing.wait(self.publish_every_s):
-                return
+        """This peer's metrics record (`SwarmReport.record`)."""
+        return self.report.record()

@@ -198,6 +198,9 @@ def test_leaving_waits_for_the_round_in_flight_and_applies_the_groups_average(co
     assert len(peer.averager.started) == 1 and peer.round == 1 and started[0].patience == []  # never given up
     assert_same(peer.outer.weights, replay(initial, [dict(zip(peer.names, average))]).weights)
     assert not peer.status.snapshot().averaging_in_flight
+    record = peer.record()  # what the peer publishes: the round's traffic, when it last averaged
+    assert (record.round, record.bytes_sent, record.bytes_received, record.dropped_peers) == (1, 100, 100, 0)
+    assert record.last_averaging is not None and record.tokens_contributed > 0
     local = peer.trainer.snapshot()
     assert any(not torch.equal(local[n], peer.outer.weights[n]) for n in peer.names)
 

@@ -1,0 +1,137 @@
+"""What a swarm peer tells others: its live status (the dashboard reads it), its log lines, and its signed metrics
+record in the DHT (`tscale-peer peers` and other peers' dashboards read those).
+
+`SwarmReport` keeps the peer's traffic and token counters. `SwarmPeer` (peers/swarm.py) calls `step()` once per
+reporting window and `round()` once per applied round; a thread of its own publishes the record every few
+seconds, reads everyone's into the status, re-announces the state offer, and every hour re-publishes the run
+config (it outlives its founder).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from tscale_p2p import __version__
+from tscale_p2p.peers.averaging import RoundOutcome
+from tscale_p2p.peers.metrics import PeerRecord
+from tscale_p2p.peers.run_config import SignedRun, publish_run_config
+from tscale_p2p.peers.status import AveragingRecord, LocalStatus
+
+log = logging.getLogger(__name__)
+
+CONFIG_REFRESH_S = 3600.0
+
+
+class SwarmReport:
+    """Status, log lines and the published record of one peer (`identity`, a `SwarmIdentity`) of `numel` weights.
+
+    `metrics` is its `SwarmMetrics`; `banned_count()` how many peers it has banned; `announce_state()` re-offers
+    its state (peers/state_download.py)."""
+
+    def __init__(self, status: LocalStatus, metrics, identity, precision: str, numel: int, *,
+                 banned_count: Callable[[], int], announce_state: Callable[[], None],
+                 signed_run: SignedRun | None = None, publish_every_s: float = 5.0) -> None:
+        self.status, self.metrics, self.identity, self.precision, self.numel = status, metrics, identity, precision, numel
+        self.banned_count, self.announce_state = banned_count, announce_state
+        self.signed_run, self.publish_every_s = signed_run, publish_every_s
+        self.bytes_sent = self.bytes_received = 0
+        self.last_averaging: float | None = None
+        self.tokens_contributed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._publish_loop, name="swarm-metrics", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def step(self, *, step: int, round_number: int, loss: float, tokens_per_s: float, device: torch.device,
+             seconds_to_next_averaging: float | None, in_flight: bool, log_line: bool) -> None:
+        """The status after a window of steps, and a log line when `log_line`."""
+        self.status.update(
+            step=step,
+            loss=loss,
+            tokens_per_s=tokens_per_s,
+            tokens_contributed=self.tokens_contributed,
+            gpu_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            seconds_to_next_averaging=seconds_to_next_averaging,
+        )
+        if log_line:
+            log.info("step %d  round %d  loss %.4f  %.0f tok/s%s", step, round_number, loss, tokens_per_s,
+                     "  (averaging in the background)" if in_flight else "")
+
+    def round(self, number: int, outcome: RoundOutcome, weights: str) -> None:
+        """Round `number` applied with `outcome`, leaving global weights of fingerprint `weights`."""
+        self.bytes_sent += outcome.bytes_sent
+        self.bytes_received += outcome.bytes_received
+        if outcome.averaged is not None:
+            self.last_averaging = time.time()
+        self.status.record_averaging(
+            AveragingRecord(
+                round=number,
+                group_size=outcome.group_size,
+                bytes_up=outcome.bytes_sent,
+                bytes_down=outcome.bytes_received,
+                duration_s=outcome.seconds,
+                bits_per_param=8 * outcome.bytes_sent / self.numel,
+                dropped_peers=outcome.dropped_peers,
+                bits_per_value=8 * outcome.bytes_sent / outcome.values_sent if outcome.values_sent else 0.0,
+            )
+        )
+        self.status.update(round=number, averaging_in_flight=False)
+        if outcome.averaged is None:
+            log.info("round %d: averaged with nobody (%s); continuing alone", number, outcome.error or "no peers")
+            return
+        # A groupmate lost mid-round leaves a span of our average different from the others' (zero, or without
+        # that sender): say so, since the weights then differ until the next round's resync.
+        lost = f", lost {outcome.dropped_peers} of them mid-round" if outcome.dropped_peers else ""
+        log.info("round %d: averaged with %d peer(s)%s in %.1f s, sent %.1f KiB, received %.1f KiB, weights %s",
+                 number, outcome.group_size - 1, lost, outcome.seconds, outcome.bytes_sent / 1024,
+                 outcome.bytes_received / 1024, weights)
+
+    def record(self) -> PeerRecord:
+        """This peer's metrics record, as published."""
+        snap = self.status.snapshot()
+        return PeerRecord(
+            peer_id=self.identity.peer_id,
+            name=self.identity.name,
+            device=self.identity.device,
+            precision=self.precision,
+            offload=snap.offload,
+            tokens_per_s=float(snap.tokens_per_s),
+            loss=snap.loss,
+            round=snap.round,
+            step=snap.step,
+            tokens_contributed=snap.tokens_contributed,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            last_averaging=self.last_averaging,
+            version=__version__,
+            relayed=self.identity.relayed,
+            updated_at=time.time(),
+            dropped_peers=snap.averaging[-1].dropped_peers if snap.averaging else 0,
+            banned_peers=self.banned_count(),
+        )
+
+    def _publish_loop(self) -> None:
+        config_published = -float("inf")
+        while True:
+            try:
+                self.metrics.publish(self.record())
+                self.announce_state()
+                self.status.update(swarm_records=tuple(self.metrics.fetch()))
+                if self.signed_run is not None and time.monotonic() - config_published > CONFIG_REFRESH_S:
+                    publish_run_config(self.metrics.dht, self.identity.run_id, self.signed_run)
+                    config_published = time.monotonic()
+            except Exception as error:  # the DHT may be shutting down; metrics must never stop training
+                log.debug("publishing metrics failed: %s", error)
+            if self._stop.wait(self.publish_every_s):
+                return
