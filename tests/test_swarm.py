@@ -244,8 +244,8 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     assert records["b"]["round"] >= 2 and records["b"]["bytes_sent"] > 0 and records["b"]["last_averaging"]
     assert records["b"]["dropped_peers"] == 0  # from its last round's outcome
 
+    # (every run setting's check is tests/test_run_config.py's; here the command's exit 2 and one line)
     for flags, named in ((["--model", "e64h2d2w64"], "--model e64h2d2w64 contradicts"),
-                         (["--inner-steps", "7"], "--inner-steps 7 contradicts"),
                          (["--tokenizer", "byte"], "--tokenizer byte (the byte tokenizer) differs from run 'late'")):
         out = str(tmp_path / "refused")
         assert main(join_flags(out, text_file, "--initial-peers", founder, "--run-id", "late", *flags)) == 2
