@@ -236,3 +236,43 @@ def test_bad_tokenizers_are_refused_in_one_line(flags, fragment, text_file, tmp_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_joiner_adopts_the_founders_tokenizer_and_both_train(text_file, tmp_path, capsys):
+    from test_swarm import FAST_ROUNDS, Process, join_args, join_flags, rounds
+
+    started: list[Process] = []
+    try:
+        founder_args = join_args("a", text_file, "--run-id", "bpe", "--tokenizer", "bpe:300", "--steps", "1000000",
+                                 *TINY, *FAST_ROUNDS)
+        started.append(Process(founder_args, tmp_path / "a.log", tmp_path))
+        a = started[0]
+        founder = a.wait_for(r"tscale-peer join --initial-peers (\S+) --run-id bpe", timeout=90)[0].group(1)
+        joiner_args = join_args("b", text_file, "--initial-peers", founder, "--run-id", "bpe", "--max-steps", "12")
+        started.append(Process(joiner_args, tmp_path / "b.log", tmp_path))
+        b = started[1]
+        b.wait_for(r"fetching the tokenizer of run 'bpe' from a live peer", timeout=60)
+        b.wait_for(r"round \d+: averaged with 1 peer", timeout=90)
+        assert (tmp_path / "b" / "tokenizer.json").read_bytes() == (tmp_path / "a" / "tokenizer.json").read_bytes()
+        assert "BPE tokenizer (300 tokens" in b.output()
+        # The founder logs the same round once its own side of it ends, which may be after the joiner's line.
+        a.wait_for(r"round \d+: averaged with 1 peer", timeout=60)
+        assert any(others == 1 for others, _ in rounds(a.output()).values())
+        # A joiner whose --tokenizer is not the run's is refused, naming both.
+        capsys.readouterr()
+        refused = join_flags(str(tmp_path / "c"), text_file, "--initial-peers", founder, "--run-id", "bpe",
+                             "--tokenizer", "byte")
+        assert main(refused) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--tokenizer byte (the byte tokenizer) differs from run 'bpe'" in err
+        assert "BPE tokenizer (300 tokens, sha256" in err
+        # infer --initial-peers decodes with the run's tokenizer.
+        assert main(["infer", "--initial-peers", founder, "--run-id", "bpe", "--prompt", "the", "--max-tokens",
+                     "8", "--device", "cpu", "--no-compile", "--seed", "0"]) == 0
+        assert re.search(r"\[8 tokens,", capsys.readouterr().err)
+    finally:
+        for process in started:
+            process.signal_group(9)
+            process.popen.wait(10)
