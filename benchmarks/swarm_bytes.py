@@ -1,9 +1,9 @@
-"""Bytes on the wire per averaging round, 1-bit codec vs hivemind's codecs; block-size sweep.
+"""Bytes on the wire per averaging round, the swarm's codecs vs hivemind's; block-size sweep.
 
     python benchmarks/swarm_bytes.py wire [--dims e768h12d18w1024] [--peers 4]
-    python benchmarks/swarm_bytes.py live [--dims e256h4d8w256] [--peers 2] [--rounds 2]
+    python benchmarks/swarm_bytes.py live [--dims e256h4d8w256] [--peers 2] [--rounds 2] [--codec topk]
     python benchmarks/swarm_bytes.py blocks --data PATH/tinyshakespeare.txt
-    python benchmarks/swarm_bytes.py groups [--dims e128h4d4w256 e768h12d12w1024] [--peers 2 3 4 8 16]
+    python benchmarks/swarm_bytes.py groups [--dims e128h4d4w256 e768h12d12w1024] [--peers 2 3 4 8 16] [--codec topk]
 
 `wire`: one round of hivemind's butterfly all-reduce among `--peers` peers with equal bandwidth, for the
 tensor shapes of the given model (built on the meta device: no memory, no weights). Every message a peer
@@ -12,13 +12,14 @@ as an all-reduce does, each part is compressed by the codec, wrapped in the `Ave
 goes on the stream, and measured with `ByteSize()`. Codec output sizes do not depend on the values, so each
 distinct part size is compressed once. Not counted: libp2p framing (yamux, noise), the same for every codec.
 Return trip: hivemind sends `average - own part` compressed with the sender's codec; SwarmAverager sends one
-1-bit message per part (sign + scale of average + reducer residual).
+message per part, the same to every sender, in the codec's return form (sign: the same 1-bit code; topk: 256
+values a chunk instead of 64).
 
 `live`: the same count from the other end: real SwarmAverager peers (hivemind DHT + p2pd on 127.0.0.1) run
 averaging rounds on random pseudo-gradients of the model's shapes, and each reports the tensor bytes it put on
 and took off the wire (`RoundOutcome.bytes_sent` / `bytes_received`, protobuf level) and the round time.
 
-`groups`: the 1-bit codec's budget at every group size, counted as `wire` counts it: bits per value of one trip
+`groups`: a swarm codec's budget at every group size, counted as `wire` counts it: bits per value of one trip
 (a sender's part to its reducer, the reducer's answer), and a peer's whole uplink and downlink per round in bits
 per parameter of the model. A peer makes both trips: it sends (n-1)/n of the model to the other reducers and
 answers its own 1/n span to each of the n-1 others, so its uplink per round is 2(n-1)/n times the per-trip rate.
@@ -41,7 +42,7 @@ from hivemind.proto import averaging_pb2
 
 from tscale_p2p.kernels.onebit import pack, unpack
 from tscale_p2p.model import ModelConfig, Transformer
-from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec
+from tscale_p2p.peers.codec import BLOCK_SIZE, CODECS, OneBitCodec, TopKCodec
 
 HIVEMIND_PART_SIZE_BYTES = 2**19  # hivemind's default
 ONEBIT_PART_SIZE_BYTES = 2**17  # SwarmAverager's default: 2**20 values per part
@@ -63,9 +64,12 @@ def round_bytes(shapes, codec, part_size_bytes: int, peers: int) -> dict[str, fl
     def sizes(numel: int) -> tuple[int, int]:
         """(sender -> reducer message, reducer -> sender message) bytes for a part of `numel` values."""
         if numel not in message_sizes:
-            part = codec.compress(torch.randn(numel), CompressionInfo.from_tensor(torch.empty(numel)))
+            info = CompressionInfo.from_tensor(torch.empty(numel))
+            part = codec.compress(torch.randn(numel), info)
+            # SwarmAverager's reducer answers in the codec's return form; hivemind's codecs answer in their own
+            answer = getattr(codec, "return_trip", codec).compress(torch.randn(numel), info)
             up = averaging_pb2.AveragingData(tensor_part=part, weight=1000.0).ByteSize()
-            down = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=part).ByteSize()
+            down = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=answer).ByteSize()
             message_sizes[numel] = (up, down)
         return message_sizes[numel]
 
@@ -97,6 +101,7 @@ def wire(args) -> None:
     codecs = [
         ("Float16 (hivemind)", Float16Compression(), HIVEMIND_PART_SIZE_BYTES),
         ("Uniform8Bit (hivemind)", Uniform8BitQuantization(), HIVEMIND_PART_SIZE_BYTES),
+        (f"TopKCodec, k {TopKCodec().k}/{TopKCodec().return_k} (ours)", TopKCodec(), ONEBIT_PART_SIZE_BYTES),
         (f"OneBitCodec, block {BLOCK_SIZE} (ours)", OneBitCodec(), ONEBIT_PART_SIZE_BYTES),
     ]
     print(f"model {args.dims}: {numel / 1e6:.1f}M parameters in {len(shapes)} tensors, {args.peers} peers, one round")
@@ -120,8 +125,8 @@ def wire(args) -> None:
 
 
 def groups(args) -> None:
-    codec = OneBitCodec()
-    print("OneBitCodec: bits per value of each trip, and a peer's traffic per round in bits per parameter")
+    codec = CODECS[args.codec]()
+    print(f"{codec!r}: bits per value of each trip, and a peer's traffic per round in bits per parameter")
     print(f"{'model':<16} {'params':>7} {'peers':>5} {'up trip':>8} {'down trip':>9} {'uplink/round':>12}"
           f" {'downlink/round':>14} {'trips x model':>13}")
     for dims in args.dims:
@@ -150,7 +155,8 @@ def live(args) -> None:
         for _ in range(args.peers):
             dhts.append(hivemind.DHT(start=True, initial_peers=dhts[0].get_visible_maddrs() if dhts else None))
         template = [torch.zeros(shape) for shape in shapes]
-        averagers = [SwarmAverager(template, dht, prefix="bench", matchmaking_time=3.0) for dht in dhts]
+        averagers = [SwarmAverager(template, dht, prefix="bench", matchmaking_time=3.0, codec=CODECS[args.codec]())
+                     for dht in dhts]
         print(f"{'round':>5} {'peer':>4} {'group':>5} {'sent MB':>8} {'recv MB':>8} {'sent bits/param':>16}"
               f" {'recv bits/param':>16} {'seconds':>8}")
         for round_number in range(args.rounds):
@@ -220,9 +226,11 @@ def main() -> None:
     live_parser.add_argument("--dims", default="e256h4d8w256", help="model dims (default: 6.4M parameters)")
     live_parser.add_argument("--peers", type=int, default=2)
     live_parser.add_argument("--rounds", type=int, default=2)
+    live_parser.add_argument("--codec", choices=sorted(CODECS), default="sign")
     groups_parser = sub.add_parser("groups", help="our codec's bits per trip and per round at several group sizes")
     groups_parser.add_argument("--dims", nargs="+", default=["e128h4d4w256", "e768h12d12w1024"])
     groups_parser.add_argument("--peers", nargs="+", type=int, default=[2, 3, 4, 8, 16])
+    groups_parser.add_argument("--codec", choices=sorted(CODECS), default="sign")
     blocks_parser = sub.add_parser("blocks", help="error vs block size on a real pseudo-gradient")
     blocks_parser.add_argument("--data", required=True, help="a text file (e.g. tinyshakespeare.txt)")
     args = parser.parse_args()

@@ -47,9 +47,8 @@ from tscale_p2p.peers.swarm_state import SwarmState, read_state_file, saved_stat
 from tscale_p2p.checkpoint import resume_from
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
-from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
 from tscale_p2p.model import ModelConfig
-from tscale_p2p.peers.codec import BLOCK_SIZE
+from tscale_p2p.peers.codec import CODECS
 from tscale_p2p.peers.join import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, ERROR_FEEDBACK_CARRY, initial_weights
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
@@ -57,7 +56,6 @@ from tscale_p2p.trainer import Trainer
 
 # Several peers share this machine's cores: one OpenMP thread each, or their spin-waits starve one another.
 PEER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-BITS_PER_PARAM_EACH_WAY = 1 + 16 / 256  # 1-bit signs + a bf16 scale per 256 values (peers/codec.py)
 SEED_STRIDE = 100  # --seed S moves every in-process trainer's seed by S * SEED_STRIDE
 
 
@@ -113,11 +111,15 @@ def one_process(args) -> tuple[float, int]:
     return trainer.evaluate().loss, trainer.tokens_seen
 
 
-def onebit(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """What SwarmAverager's 1-bit trip carries of x: signs + bf16 block scales (+ the sender's residual)."""
-    flat = x.contiguous().view(-1)
-    signs, scales = pack(flat, BLOCK_SIZE) if residual is None else error_feedback_pack(flat, residual.view(-1), BLOCK_SIZE)
-    return unpack(signs, scales, flat.numel(), BLOCK_SIZE).view(x.shape)
+def carried(codec, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """What one of SwarmAverager's trips carries of x with `codec` (+ the residual, which keeps the rest)."""
+    return codec.carried(x.contiguous(), None if residual is None else residual.view(-1))
+
+
+def bits_per_value(codec) -> tuple[float, float]:
+    """Bits per value of the codec's trip out and of its return trip, on a 2^20-value part (peers/codec.py)."""
+    x = torch.randn(2**20)
+    return tuple(8 * len(c.compress(x, None).buffer) / x.numel() for c in (codec, codec.return_trip))
 
 
 # How the in-process rows average: each trip (sender -> reducer, reducer -> senders) is exact or 1-bit;
@@ -126,7 +128,7 @@ def onebit(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 TRIPS = {"exact": ("exact", "exact"), "swarm": ("ef", "1bit"), "1-bit up only": ("ef", "exact"),
          "1-bit both ways, both with error feedback": ("ef", "ef"), "1-bit both ways, no error feedback": ("1bit", "1bit"),
          "1-bit both ways, a damped sender residual": ("damped-ef", "1bit")}
-DAMPING = ERROR_FEEDBACK_CARRY["damped"]  # "damped-ef": the share of its residual a sender carries into the next round
+DAMPING = ERROR_FEEDBACK_CARRY["damped"]  # "damped-ef": the share of its residual a sender carries (default of --carry)
 # --onebit-variants: key -> (row label, timing, TRIPS key)
 VARIANTS = {
     "sync": ("1-bit both ways as SwarmAverager", "synchronous", "swarm"),
@@ -143,15 +145,18 @@ APPLY_AFTER_TRIPS = {
     "no-ef": ("1-bit both ways, no error feedback", "1-bit both ways, no error feedback"),
     "up-only": ("1-bit up with error feedback, exact mean back", "1-bit up only"),
     "both-ef": ("1-bit both ways, a reducer residual too", "1-bit both ways, both with error feedback"),
-    "damped-ef": (f"1-bit both ways, sender residual damped by {DAMPING} a round", "1-bit both ways, a damped sender residual"),
+    "damped-ef": ("1-bit both ways, sender residual damped a round (--carry)", "1-bit both ways, a damped sender residual"),
 }
 
 
-def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr: float) -> tuple[float, int]:
+def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr: float,
+                      overrides: dict | None = None) -> tuple[float, int]:
     """In-process DiLoCo rounds; each round's average is applied `delay` steps into the next round (0:
-    synchronous; H: one round late); `averaging`: see TRIPS; `peer_lr`: the peers' inner peak lr."""
+    synchronous; H: one round late); `averaging`: see TRIPS; `peer_lr`: the peers' inner peak lr; `overrides`:
+    this row's codec, carry, outer_momentum (see --apply-after-trips)."""
     up, down = TRIPS[averaging]
-    args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr, "lr": peer_lr})
+    args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr, "lr": peer_lr, **(overrides or {})})
+    codec = CODECS[args.codec](**getattr(args, "codec_options", {}))
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
     outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum) for t in peers]  # identical copies
     rounds = [DelayedOuterStep(outer) for outer in outers]
@@ -169,13 +174,14 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
         if up == "damped-ef":
             for residual in residuals[:-1]:
                 for tensor in residual.values():
-                    tensor.mul_(DAMPING)
+                    tensor.mul_(args.carry)
         if up != "exact":
-            deltas = [{n: onebit(d[n], residual[n] if up in ("ef", "damped-ef") else None) for n in d}
+            deltas = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None) for n in d}
                       for d, residual in zip(deltas, residuals)]
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
         if down != "exact":
-            previous = {n: onebit(m, residuals[-1][n] if down == "ef" else None) for n, m in previous.items()}
+            previous = {n: carried(codec.return_trip, m, residuals[-1][n] if down == "ef" else None)
+                        for n, m in previous.items()}
     outers[0].step(previous)  # the last average arrives after training: apply it
     return val_loss(args, outers[0].weights), sum(t.tokens_seen for t in peers)
 
@@ -256,8 +262,26 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
     torch.set_num_threads(1)
     if kind == "one process":
         return one_process(args)
-    timing, averaging = kind.split(":")
-    return diloco_in_process(args, delay_steps(timing, args.inner_steps), outer_lr, averaging, peer_lr)
+    timing, averaging, *overrides = kind.split(":", 2)
+    return diloco_in_process(args, delay_steps(timing, args.inner_steps), outer_lr, averaging, peer_lr,
+                             json.loads(overrides[0]) if overrides else None)
+
+
+def trip_spec(spec: str) -> tuple[str, str, dict]:
+    """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;momentum=Y][;k=K][;return_k=K]`:
+    (row label, TRIPS key, overrides)."""
+    key, *options = spec.split(";")
+    key, _, codec = key.partition("@")
+    name, averaging = APPLY_AFTER_TRIPS[key]
+    overrides = {"codec": codec} if codec else {}
+    for option in options:
+        field, _, value = option.partition("=")
+        if field in ("k", "return_k", "levels"):  # TopKCodec's
+            overrides.setdefault("codec_options", {})[field] = int(value)
+        else:
+            overrides[{"carry": "carry", "momentum": "outer_momentum"}[field]] = float(value)
+    label = ", ".join([name, *(f"{k} {v}" for k, v in overrides.items())])
+    return label, averaging, overrides
 
 
 def delay_steps(timing: str, inner_steps: int) -> int:
@@ -294,6 +318,10 @@ def main() -> None:
     parser.add_argument("--error-feedback", nargs="?", const="full", default="off", choices=sorted(ERROR_FEEDBACK_CARRY),
                         help="the swarm's peers' join --error-feedback (default: off, as in the commands recorded "
                         "before join had the choice; the flag alone: full)")
+    parser.add_argument("--codec", default="sign", choices=sorted(CODECS),
+                        help="the codec of the compressed trips, in process and the swarm's (join --codec)")
+    parser.add_argument("--carry", type=float, default=DAMPING,
+                        help="the damped-ef rows' share of its residual a sender carries into the next round")
     parser.add_argument("--skip-diloco", action="store_true", help="no exact-mean DiLoCo rows")
     parser.add_argument("--onebit-outer-lrs", default="", help="comma-separated outer lrs of in-process 1-bit "
                         "one-round-late rows (the swarm's arithmetic without the network)")
@@ -303,7 +331,8 @@ def main() -> None:
                         "(see --apply-after-trips and --apply-after-lrs) that apply each average that many steps into the next round, "
                         "as the swarm does when an average arrives mid-round")
     parser.add_argument("--apply-after-trips", default="exact,swarm",
-                        help=f"the --apply-after rows' averaging, comma-separated: {', '.join(APPLY_AFTER_TRIPS)}")
+                        help=f"the --apply-after rows' averaging, comma-separated: {', '.join(APPLY_AFTER_TRIPS)}; each may "
+                        "name its own codec and settings, e.g. swarm@topk;carry=0.9;momentum=0")
     parser.add_argument("--apply-after-lrs", default="", help="comma-separated outer lrs of the --apply-after rows "
                         "(default: --outer-lr)")
     parser.add_argument("--from-step", type=int, default=0, metavar="N",
@@ -353,10 +382,10 @@ def compare(args, out: Path | None, started: float) -> None:
               "one round late:swarm", float(lr)) for lr in args.onebit_outer_lrs.split(",") if lr]
     apply_after_lrs = [float(x) for x in args.apply_after_lrs.split(",") if x] or [args.outer_lr]
     for steps in filter(None, args.apply_after.split(",")):
-        for key, lr in itertools.product(args.apply_after_trips.split(","), apply_after_lrs):
-            name, averaging = APPLY_AFTER_TRIPS[key]
+        for spec, lr in itertools.product(args.apply_after_trips.split(","), apply_after_lrs):
+            name, averaging, overrides = trip_spec(spec)
             jobs.append((f"DiLoCo, {name}, applied after {int(steps)} steps, outer lr {lr} (one process)",
-                         f"applied after {int(steps)} steps:{averaging}", lr))
+                         f"applied after {int(steps)} steps:{averaging}:{json.dumps(overrides)}", lr))
     for key in filter(None, args.onebit_variants.split(",")):
         name, timing, averaging = VARIANTS[key]
         jobs.append((f"DiLoCo, {name}, {timing}, outer lr {args.outer_lr} (one process)", f"{timing}:{averaging}",
@@ -387,14 +416,18 @@ def compare(args, out: Path | None, started: float) -> None:
         f"(warm-up {args.warmup}, cosine"
         f"{f' over {args.from_step + args.steps} steps, rows from step {args.from_step}' if args.from_step else ''}), "
         f"swarm outer lr {args.outer_lr} "
-        f"momentum {args.outer_momentum}, matchmaking {args.matchmaking_time} s; {time.perf_counter() - started:.0f} s",
+        f"momentum {args.outer_momentum}, matchmaking {args.matchmaking_time} s, codec {args.codec}"
+        f"{f' (damped-ef carry {args.carry})' if 'damped-ef' in args.apply_after_trips else ''}; "
+        f"{time.perf_counter() - started:.0f} s",
         "| run | val loss | gap to one process | tokens | notes |",
         "| --- | --- | --- | --- | --- |",
     ]
     for name, value, tokens, notes in rows:
         lines.append(f"| {name} | {value:.4f} | {100 * (value / reference - 1):+.2f}% | {tokens:,} | {notes} |")
-    # Per-step bf16 all-reduce moves 16 bits/param each way every step; we move ~1.06 every H steps.
-    lines.append(f"traffic vs per-step bf16 gradient all-reduce: {16 * args.inner_steps / BITS_PER_PARAM_EACH_WAY:.0f}x less")
+    # Per-step bf16 all-reduce moves 16 bits/param each way every step; the codec moves these every H steps.
+    out_bits, back_bits = bits_per_value(CODECS[args.codec]())
+    lines.append(f"traffic vs per-step bf16 gradient all-reduce: {16 * args.inner_steps / out_bits:.0f}x less out, "
+                 f"{16 * args.inner_steps / back_bits:.0f}x less back ({out_bits:.3f} and {back_bits:.3f} bits/value)")
     print("\n".join(lines), flush=True)
     if out:
         (out / "table.md").write_text("\n".join(lines) + "\n")

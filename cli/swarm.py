@@ -42,9 +42,12 @@ class SwarmSettings:
     averaging_timeout: float = option(
         30.0, "a round that finds no group in S seconds is applied alone (default: 30; with no other peer training, "
         "after two matchmaking windows)", metavar="S", gt=0)
-    error_feedback: Literal["off", "damped", "full"] = option(
-        "damped", "what a 1-bit update could not carry: 'off' drops it, 'full' (the flag alone) adds it to the next "
-        "round's, 'damped' adds half of it", const="full")
+    codec: Literal["sign", "topk"] | None = option(
+        None, "how averaging rounds compress updates (a new run's setting; joiners adopt the run's): sign (1 bit a "
+        "value) or topk (each 4096 values' 64 largest out, 256 back; ~0.2 and ~0.8 bits a value) (default: sign)")
+    error_feedback: Literal["off", "damped", "full"] | None = option(
+        None, "what a compressed update could not carry: 'off' drops it, 'full' (the flag alone) adds it to the next "
+        "round's, 'damped' adds half of it (default: damped for sign, full for topk)", const="full")
     threads: int | None = option(
         None, "CPU threads for this peer's tensor math (CPU training, offloaded optimizer, packing updates). Default: "
         "$OMP_NUM_THREADS if set, else this machine's cores divided by the join peers running on it (peers that "
@@ -138,6 +141,7 @@ def join_settings(loaded: Loaded):
         matchmaking_time=swarm.matchmaking_time,
         averaging_timeout=swarm.averaging_timeout,
         error_feedback=swarm.error_feedback,
+        codec=swarm.codec,
         init_from=swarm.init_from,
     )
     return cfg, explicit, options

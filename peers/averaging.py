@@ -82,8 +82,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, attach_event_on_finished
 from hivemind.utils.mpfuture import MPFuture
 
-from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
-from tscale_p2p.peers.codec import ONEBIT_COMPRESSION_TYPE, OneBitCodec
+from tscale_p2p.peers.codec import OneBitCodec, SwarmCodec, TopKCodec
 from tscale_p2p.peers.reputation import PeerReputation
 from tscale_p2p.peers.robust import high_median, robust_aggregate
 from tscale_p2p.peers.state_download import StateCheck, download_checked_state
@@ -289,7 +288,8 @@ class SwarmAverager(DecentralizedAverager):
     :param target_group_size: None (default) puts the whole swarm in one group: hivemind marks splitting into
       groups as incorrect for this use, so only set it when it is at least the swarm size (a round's
       `group_size` overrides it for that round)
-    :param codec: the 1-bit codec (its block size travels on the wire)
+    :param codec: the codec of both trips (peers/codec.py: `OneBitCodec`, the default, or `TopKCodec`); its
+      settings travel on the wire, and a part in any other format or with other settings is refused
     :param max_norm_ratio: a contribution whose part norm exceeds this multiple of the reducer's own is dropped
       (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`, where it trained on more)
     :param residual_carry: sender error feedback: the share of what this peer's 1-bit message could not carry
@@ -319,7 +319,7 @@ class SwarmAverager(DecentralizedAverager):
         next_chunk_timeout: float = 10.0,
         request_timeout: Optional[float] = None,
         target_group_size: Optional[int] = None,
-        codec: Optional[OneBitCodec] = None,
+        codec: Optional[SwarmCodec] = None,
         max_norm_ratio: float = 100.0,
         residual_carry: Optional[float] = 1.0,
         reducer_error_feedback: bool = False,
@@ -331,11 +331,11 @@ class SwarmAverager(DecentralizedAverager):
         if kwargs.get("auxiliary"):
             raise ValueError("auxiliary averagers are not supported: every peer contributes a pseudo-gradient")
         self.codec = codec or OneBitCodec()
-        if not isinstance(self.codec, OneBitCodec):
-            raise TypeError(f"codec must be a OneBitCodec, got {type(self.codec).__name__}")
+        if not isinstance(self.codec, (OneBitCodec, TopKCodec)):
+            raise TypeError(f"codec must be a OneBitCodec or a TopKCodec, got {type(self.codec).__name__}")
         part_size_bytes = kwargs.pop("part_size_bytes", 2**17)
-        if (part_size_bytes * 8) % self.codec.block_size:  # parts must hold whole blocks (see OneBitCodec)
-            raise ValueError(f"part_size_bytes={part_size_bytes} does not hold a whole number of blocks")
+        if (part_size_bytes * 8) % self.codec.unit:  # parts must hold whole blocks or chunks (see OneBitCodec)
+            raise ValueError(f"part_size_bytes={part_size_bytes} does not hold a whole number of codec units")
         self.round_timeout, self.max_norm_ratio = round_timeout, max_norm_ratio
         self.matchmaking_time = matchmaking_time
         if residual_carry is not None and not 0.0 <= residual_carry <= 1.0:
@@ -724,20 +724,16 @@ class SwarmAverager(DecentralizedAverager):
         return declared
 
     def _pack_with_error_feedback(self) -> torch.Tensor:
-        """What this peer sends (flat): 1-bit `tensor + residual`, decoded; the residual keeps the difference.
+        """What this peer sends (flat): the codec's form of `tensor + residual`, decoded; the residual keeps the
+        difference.
 
-        Packed per tensor, so blocks start where hivemind's parts start (see OneBitCodec) and the codec sends
-        these values exactly.
+        Packed per tensor, so blocks (chunks) start where hivemind's parts start (see OneBitCodec) and the codec
+        sends these values exactly.
         """
         sent = torch.empty_like(self._flat)
-        block = self.codec.block_size
         tensors = self._averaged_tensors  # start_round wrote them; no round, no writer, until this one ends
         for tensor, residual, out in zip(tensors, self._split(self._sender_residual), self._split(sent)):
-            if self.residual_carry is not None:
-                signs, scales = error_feedback_pack(tensor, residual, block)
-            else:
-                signs, scales = pack(tensor, block)
-            out.copy_(unpack(signs, scales, tensor.numel(), block).view(tensor.shape))
+            out.copy_(self.codec.carried(tensor, residual.view(-1) if self.residual_carry is not None else None))
         return sent
 
     def _keep_residual_owed(self, sent: torch.Tensor, lost_spans: Sequence[tuple[int, int]]) -> None:
@@ -854,7 +850,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
     def __init__(
         self,
         *,
-        codec: OneBitCodec,
+        codec: SwarmCodec,
         reducer_residual: Optional[torch.Tensor],
         max_norm_ratio: float,
         group_tokens: Sequence[float],
@@ -940,7 +936,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         if part_index >= len(self.parts_for_local_averaging):
             raise InvalidContributionError("more parts than this span has")
         expected = self.parts_for_local_averaging[part_index]
-        part = _decode_onebit(self.codec, serialized, expected.shape)
+        part = _decode_part(self.codec, serialized, expected.shape)
         norm, own = float(part.norm()), self._own_norms[part_index]
         if own > 0 and norm > self._norm_bound(own, weight):
             raise InvalidContributionError(f"norm {norm:.3g} from {weight:.3g} tokens is over the bound for this "
@@ -957,16 +953,20 @@ class _OneBitAllReduceRunner(AllReduceRunner):
     def _compress_reduced(self, part_index: int, averaged: torch.Tensor) -> tuple[runtime_pb2.Tensor, torch.Tensor]:
         if not bool(torch.isfinite(averaged).all()):
             raise AllreduceException(f"the average of part {part_index} overflowed")
+        codec = self.codec.return_trip
         if self.reducer_residual is None:
-            message = self.codec.compress(averaged, info=None)
-        else:
-            start = self.parts_for_local_averaging[part_index].storage_offset()
-            residual = self.reducer_residual[start : start + averaged.numel()]
-            message = self.codec.compress_with_residual(averaged, residual)
-            if not bool(torch.isfinite(residual).all()):
-                residual.zero_()  # never let one overflow poison this span for all later rounds
-                raise AllreduceException(f"the average of part {part_index} overflowed")
-        return message, self.codec.extract(message)
+            message = codec.compress(averaged, info=None)
+            return message, codec.extract(message)
+        start = self.parts_for_local_averaging[part_index].storage_offset()
+        residual = self.reducer_residual[start : start + averaged.numel()]
+        target = averaged.reshape(-1) + residual
+        message = codec.compress(target.view(averaged.shape), info=None)
+        decoded = codec.extract(message)
+        torch.sub(target, decoded.reshape(-1), out=residual)
+        if not bool(torch.isfinite(residual).all()):
+            residual.zero_()  # never let one overflow poison this span for all later rounds
+            raise AllreduceException(f"the average of part {part_index} overflowed")
+        return message, decoded
 
     # -- sender side --
 
@@ -1014,7 +1014,8 @@ class _OneBitAllReduceRunner(AllReduceRunner):
             # A reply always follows the part it answers, so that part's shape is already recorded.
             part_index = len(answers)
             shape, sent_norm = self._sent_parts[peer_index][part_index]
-            averaged = await loop.run_in_executor(None, _decode_onebit, self.codec, message.tensor_part, shape)
+            averaged = await loop.run_in_executor(None, _decode_part, self.codec.return_trip, message.tensor_part,
+                                                  shape)
             try:
                 self._check_reply_norm(averaged, sent_norm)
             except InvalidContributionError as e:
@@ -1060,15 +1061,16 @@ class _OneBitAllReduceRunner(AllReduceRunner):
             yield message
 
 
-def _decode_onebit(codec: OneBitCodec, serialized: runtime_pb2.Tensor, shape: torch.Size) -> torch.Tensor:
+def _decode_part(codec: SwarmCodec, serialized: runtime_pb2.Tensor, shape: torch.Size) -> torch.Tensor:
     """Decode a part from another peer, or raise InvalidContributionError: anything else may be hostile."""
-    if serialized.compression != ONEBIT_COMPRESSION_TYPE:
-        raise InvalidContributionError(f"compression type {serialized.compression} is not 1-bit")
+    if serialized.compression != codec.compression_type:
+        raise InvalidContributionError(f"compression type {serialized.compression} is not {codec!r}'s")
     if serialized.dtype != "float32":
         raise InvalidContributionError(f"dtype {serialized.dtype!r} is not float32")
     if torch.Size(serialized.size) != shape:
         raise InvalidContributionError(f"shape {tuple(serialized.size)} != expected {tuple(shape)}")
     try:
+        codec.check_settings(serialized)  # this swarm's block size, or chunk, k and levels
         return codec.extract(serialized)  # checks that the bytes fit the shape and the scales are finite
     except ValueError as e:
         raise InvalidContributionError(str(e)) from e

@@ -1,4 +1,5 @@
-"""`OneBitCodec`: hivemind compression that sends one sign bit per value plus one bf16 scale per block.
+"""The swarm's codecs, as hivemind compressions: `OneBitCodec` (`--codec sign`) sends one sign bit per value plus
+one bf16 scale per block; `TopKCodec` (`--codec topk`) sends the largest values of each chunk (its docstring).
 
 Wire format of one tensor (a `runtime_pb2.Tensor` whose `compression` is `ONEBIT_COMPRESSION_TYPE`):
 ``buffer = block_size (uint32, little-endian) | scales (bf16, one per block) | signs (8 per byte)``,
@@ -7,14 +8,17 @@ Wire format of one tensor (a `runtime_pb2.Tensor` whose `compression` is `ONEBIT
 
 hivemind 1.1.12 has no 1-bit codec and its `CompressionType` enum cannot be extended without rebuilding it
 (and its p2pd binary comes only in the PyPI wheel). An unknown enum value does survive the protobuf round
-trip, so `register_onebit_codec()` teaches hivemind's serializer the extra value instead. Importing this module
+trip, so `register_swarm_codecs()` teaches hivemind's serializer the extra values instead. Importing this module
 registers it, so every process that unpickles a `SwarmAverager` (or forks after importing it) can decode it.
 
-The codec itself is stateless. Error feedback needs memory across rounds, and the codec runs inside the
+A codec is stateless. Error feedback needs memory across rounds, and the codec runs inside the
 averager's child process, so the residuals live in `SwarmAverager` (peers/averaging.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -45,36 +49,42 @@ class OneBitCodec(CompressionBase):
             raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
         self.block_size = block_size
 
+    @property
+    def unit(self) -> int:
+        """Values a message's scale covers: hivemind's parts must hold whole units (`SwarmAverager`)."""
+        return self.block_size
+
+    @property
+    def return_trip(self) -> "OneBitCodec":
+        """The codec of a reducer's answer: the same."""
+        return self
+
+    def carried(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What one message carries of `tensor` (+ `residual`, flat fp32, which then keeps what did not fit)."""
+        if residual is None:
+            signs, scales = pack(tensor.detach(), self.block_size)
+        else:
+            signs, scales = error_feedback_pack(tensor.detach(), residual, self.block_size)
+        return unpack(signs, scales, tensor.numel(), self.block_size).view(tensor.shape)
+
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        self._check_dtype(tensor)
+        _check_dtype(self, tensor)
         signs, scales = pack(tensor.detach(), self.block_size)
         return self._message(signs, scales, tensor)
 
-    def compress_with_residual(self, tensor: torch.Tensor, residual: torch.Tensor) -> runtime_pb2.Tensor:
-        """Compress `tensor + residual`; `residual` (flat fp32) becomes what the message could not carry."""
-        self._check_dtype(tensor)
-        signs, scales = error_feedback_pack(tensor.detach(), residual, self.block_size)
-        return self._message(signs, scales, tensor)
-
-    def _check_dtype(self, tensor: torch.Tensor) -> None:
-        if str(tensor.dtype).replace("torch.", "") not in _DECODABLE_DTYPES:
-            raise ValueError(f"{type(self).__name__} does not support {tensor.dtype} tensors")
-
     def _message(self, signs: torch.Tensor, scales: torch.Tensor, like: torch.Tensor) -> runtime_pb2.Tensor:
-        buffer = b"".join(
-            (
-                np.asarray(self.block_size, dtype=_HEADER).tobytes(),
-                scales.cpu().view(torch.int16).numpy().tobytes(),
-                signs.cpu().numpy().tobytes(),
-            )
-        )
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=buffer,
-            size=like.shape,
-            dtype=str(like.dtype).replace("torch.", ""),
-            requires_grad=like.requires_grad,
-        )
+        buffer = b"".join((
+            np.asarray(self.block_size, dtype=_HEADER).tobytes(),
+            scales.cpu().view(torch.int16).numpy().tobytes(),
+            signs.cpu().numpy().tobytes(),
+        ))
+        return _message(self, buffer, like)
+
+    def check_settings(self, serialized_tensor: runtime_pb2.Tensor) -> None:
+        """Refuse a message packed with another block size than this codec's."""
+        buffer = serialized_tensor.buffer
+        if len(buffer) < _HEADER.itemsize or int(np.frombuffer(buffer, dtype=_HEADER, count=1)[0]) != self.block_size:
+            raise MalformedTensorError(f"not packed in blocks of {self.block_size}")
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         """Decode, refusing anything that is not exactly what `compress` writes (bytes come from other peers)."""
@@ -122,21 +132,265 @@ class OneBitCodec(CompressionBase):
         return f"{type(self).__name__}(block_size={self.block_size})"
 
 
-def register_onebit_codec() -> None:
-    """Make hivemind's (de)serializer know `ONEBIT_COMPRESSION_TYPE`. Idempotent; runs on import."""
+def _check_dtype(codec: CompressionBase, tensor: torch.Tensor) -> None:
+    if str(tensor.dtype).replace("torch.", "") not in _DECODABLE_DTYPES:
+        raise ValueError(f"{type(codec).__name__} does not support {tensor.dtype} tensors")
+
+
+def _message(codec: CompressionBase, buffer: bytes, like: torch.Tensor) -> runtime_pb2.Tensor:
+    return runtime_pb2.Tensor(
+        compression=codec.compression_type,
+        buffer=buffer,
+        size=like.shape,
+        dtype=str(like.dtype).replace("torch.", ""),
+        requires_grad=like.requires_grad,
+    )
+
+
+# ---- chunked top-k ----
+
+TOPK_COMPRESSION_TYPE = 65
+TOPK_COMPRESSION_NAME = "TOPK_CHUNKED"
+CHUNK_SIZE = 4096  # values per chunk; an index within it takes 12 bits
+TOPK_UP = 64  # values a sender keeps per chunk (1.56%)
+TOPK_RETURN = 256  # values a reducer keeps per chunk of the reduced span: four senders' worth
+TOPK_LEVELS = 4  # magnitude levels per chunk
+_TOPK_HEADER = np.dtype("<u4")  # chunk, k, levels
+_INDEX_BITS = 12
+
+
+class TopKCodec(CompressionBase):
+    """The `k` largest-magnitude values of every `chunk` values, sent as 12-bit indices, one sign bit each and
+    `levels` bf16 magnitudes per chunk (the mean magnitude of each rank group: ranks 0..k/levels-1, ...).
+
+    Wire format: ``chunk, k, levels (uint32 each) | magnitudes (bf16, levels per chunk) | indices (12 bits each,
+    two per three bytes, chunk by chunk in descending magnitude) | signs (8 per byte)``. The indices are sent in
+    rank order, so a value's magnitude level costs nothing: its position says it. At the defaults (k=64 of 4096, 4
+    levels) that is (64 x 13 + 4 x 16) / 4096 = 0.22 bits per value; the return trip keeps `return_k` = 256
+    (0.83 bits), enough for the union of four senders' picks. A short last chunk keeps ceil(k x its length /
+    chunk) values. SparseLoCo (arXiv 2508.15706) sends top-k of 4096-value chunks with 2-bit values; ranking the
+    indices instead leaves the value one bit.
+    """
+
+    compression_type = TOPK_COMPRESSION_TYPE
+
+    def __init__(self, k: int = TOPK_UP, return_k: int = TOPK_RETURN, levels: int = TOPK_LEVELS,
+                 chunk: int = CHUNK_SIZE):
+        if chunk < 8 or chunk & (chunk - 1) or chunk > 1 << _INDEX_BITS:
+            raise ValueError(f"chunk must be a power of two in [8, {1 << _INDEX_BITS}], got {chunk}")
+        for name, value in (("k", k), ("return_k", return_k)):
+            if not 1 <= value <= chunk:
+                raise ValueError(f"{name} must be in [1, chunk={chunk}], got {value}")
+        if not 1 <= levels <= min(k, return_k):
+            raise ValueError(f"levels must be in [1, {min(k, return_k)}], got {levels}")
+        self.k, self.return_k, self.levels, self.chunk = k, return_k, levels, chunk
+
+    @property
+    def unit(self) -> int:
+        return self.chunk
+
+    @property
+    def return_trip(self) -> "TopKCodec":
+        return TopKCodec(self.return_k, self.return_k, self.levels, self.chunk)
+
+    def carried(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        flat = tensor.detach().reshape(-1).float()
+        if residual is not None:
+            flat = flat + residual
+        values = _topk_dense(_topk_select(flat, self.chunk, self.k, self.levels), flat.numel(), self.chunk)
+        if residual is not None:
+            torch.sub(flat, values, out=residual)
+        return values.view(tensor.shape)
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        _check_dtype(self, tensor)
+        picked = _topk_select(tensor.detach().reshape(-1).float().cpu(), self.chunk, self.k, self.levels)
+        buffer = b"".join((
+            np.asarray([self.chunk, self.k, self.levels], dtype=_TOPK_HEADER).tobytes(),
+            picked.magnitudes.view(torch.int16).numpy().tobytes(),
+            _pack_indices(picked.indices.numpy().astype(np.uint16)),
+            np.packbits(picked.negative.numpy(), bitorder="little").tobytes(),
+        ))
+        return _message(self, buffer, tensor)
+
+    def check_settings(self, serialized_tensor: runtime_pb2.Tensor) -> None:
+        """Refuse a message packed with another chunk, k or levels than this codec's."""
+        buffer = serialized_tensor.buffer
+        header = tuple(int(v) for v in np.frombuffer(buffer[: 3 * _TOPK_HEADER.itemsize], dtype=_TOPK_HEADER))
+        if header != (self.chunk, self.k, self.levels):
+            raise MalformedTensorError(f"not packed as chunk {self.chunk}, k {self.k}, levels {self.levels}")
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        """Decode, refusing anything that is not exactly what `compress` writes (bytes come from other peers)."""
+        picked, numel, dtype = self._parse(serialized_tensor)
+        values = _topk_dense(picked, numel, picked.chunk).to(dtype).reshape(tuple(serialized_tensor.size))
+        return values.requires_grad_(serialized_tensor.requires_grad)
+
+    def norm(self, serialized_tensor: runtime_pb2.Tensor) -> float:
+        """L2 norm of the tensor a well-formed message encodes, from its magnitudes (no decoding)."""
+        picked, _, _ = self._parse(serialized_tensor, check_indices=False)
+        return float(picked.level_values().square().sum().sqrt())
+
+    def _parse(self, serialized: runtime_pb2.Tensor, check_indices: bool = True) -> tuple["_Picked", int, torch.dtype]:
+        buffer, numel = serialized.buffer, torch.Size(serialized.size).numel()
+        dtype = _DECODABLE_DTYPES.get(serialized.dtype)
+        if dtype is None:
+            raise MalformedTensorError(f"unsupported dtype {serialized.dtype!r}")
+        header = _TOPK_HEADER.itemsize * 3
+        if len(buffer) < header:
+            raise MalformedTensorError("buffer shorter than its header")
+        chunk, k, levels = (int(v) for v in np.frombuffer(buffer, dtype=_TOPK_HEADER, count=3))
+        try:
+            TopKCodec(k, k, levels, chunk)
+        except ValueError as e:
+            raise MalformedTensorError(str(e)) from None
+        counts = _picks_per_chunk(numel, chunk, k)
+        picks, n_chunks = int(counts.sum()), counts.numel()
+        index_bytes = 3 * ((picks + 1) // 2)
+        if len(buffer) != header + 2 * levels * n_chunks + index_bytes + (picks + 7) // 8:
+            raise MalformedTensorError(f"{len(buffer)} bytes do not match shape {tuple(serialized.size)}")
+        offset = header
+        raw = np.frombuffer(buffer, dtype=np.int16, count=levels * n_chunks, offset=offset)
+        magnitudes = torch.from_numpy(raw.copy()).view(torch.bfloat16).view(n_chunks, levels)
+        if not bool(torch.isfinite(magnitudes).all()) or bool((magnitudes < 0).any()):
+            raise MalformedTensorError("magnitudes must be finite and non-negative")
+        offset += 2 * levels * n_chunks
+        indices = _unpack_indices(buffer[offset : offset + index_bytes], picks)
+        negative = np.unpackbits(np.frombuffer(buffer, dtype=np.uint8, offset=offset + index_bytes),
+                                 count=picks, bitorder="little")
+        picked = _Picked(torch.from_numpy(indices.astype(np.int64)), torch.from_numpy(negative.astype(bool)),
+                         magnitudes, counts, chunk, levels)
+        if check_indices:
+            picked.check_indices(numel)
+        return picked, numel, dtype
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        # As OneBitCodec's: hivemind then cuts parts of 2^20 values (at its default part size), whole chunks.
+        return 1.0 / (torch.finfo(info.descriptor.dtype).bits)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(k={self.k}, return_k={self.return_k}, levels={self.levels}, chunk={self.chunk})"
+
+
+def _picks_per_chunk(numel: int, chunk: int, k: int) -> torch.Tensor:
+    """Values kept in each chunk of a vector of `numel`: `k`, and for a short last chunk its share, at least 1."""
+    full, tail = divmod(numel, chunk)
+    counts = torch.full((full + (tail > 0),), k, dtype=torch.int64)
+    if tail:
+        counts[-1] = min(tail, max(1, -(-k * tail // chunk)))
+    return counts
+
+
+@dataclass(frozen=True)
+class _Picked:
+    """One vector's top-k picks: per pick (chunk by chunk, descending magnitude) its index in its chunk and sign;
+    per chunk `levels` magnitudes (bf16), each the mean of one rank group's."""
+
+    indices: torch.Tensor  # int64, within-chunk
+    negative: torch.Tensor  # bool
+    magnitudes: torch.Tensor  # bf16 (n_chunks, levels)
+    counts: torch.Tensor  # int64 picks per chunk
+    chunk: int
+    levels: int
+
+    def chunk_of_pick(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(self.counts.numel()), self.counts)
+
+    def level_of_pick(self) -> torch.Tensor:
+        """Each pick's rank group: rank r of a chunk keeping c values is in group r * levels // c."""
+        starts = torch.cumsum(self.counts, 0) - self.counts
+        chunk = self.chunk_of_pick()
+        rank = torch.arange(self.indices.numel()) - starts[chunk]
+        return rank * self.levels // self.counts[chunk]
+
+    def level_values(self) -> torch.Tensor:
+        """Each pick's magnitude (fp32)."""
+        return self.magnitudes.float()[self.chunk_of_pick(), self.level_of_pick()]
+
+    def check_indices(self, numel: int) -> None:
+        chunk = self.chunk_of_pick()
+        limit = torch.clamp(numel - chunk * self.chunk, max=self.chunk)  # the last chunk may be short
+        if bool((self.indices >= limit).any()):
+            raise MalformedTensorError("an index is outside its chunk")
+        positions = chunk * self.chunk + self.indices
+        if torch.unique(positions).numel() != positions.numel():
+            raise MalformedTensorError("an index appears twice")
+
+
+def _topk_select(flat: torch.Tensor, chunk: int, k: int, levels: int) -> _Picked:
+    counts = _picks_per_chunk(flat.numel(), chunk, k)
+    full = flat.numel() // chunk
+    pieces = []
+    if full:
+        pieces.append(flat[: full * chunk].view(full, chunk))
+    if counts.numel() > full:
+        pieces.append(flat[full * chunk :].view(1, -1))
+    indices, negative, magnitudes = [], [], []
+    for piece, c in zip(pieces, (k, int(counts[-1])) if len(pieces) == 2 else (int(counts[0]),)):
+        mags, idx = piece.abs().topk(c, dim=1, sorted=True)
+        group = torch.arange(c) * levels // c
+        sums = torch.zeros(piece.shape[0], levels).index_add_(1, group, mags)
+        sizes = torch.bincount(group, minlength=levels).clamp(min=1)
+        magnitudes.append((sums / sizes).to(torch.bfloat16))
+        indices.append(idx.reshape(-1))
+        negative.append(torch.gather(piece, 1, idx).reshape(-1) < 0)
+    if not pieces:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return _Picked(empty, empty.bool(), torch.zeros(0, levels, dtype=torch.bfloat16), counts, chunk, levels)
+    return _Picked(torch.cat(indices), torch.cat(negative), torch.cat(magnitudes), counts, chunk, levels)
+
+
+def _topk_dense(picked: _Picked, numel: int, chunk: int) -> torch.Tensor:
+    values = torch.zeros(numel)
+    signed = picked.level_values()
+    signed[picked.negative] *= -1
+    values[picked.chunk_of_pick() * chunk + picked.indices] = signed
+    return values
+
+
+def _pack_indices(indices: np.ndarray) -> bytes:
+    """12-bit indices, two per three bytes (a zero pads an odd count)."""
+    if indices.size % 2:
+        indices = np.append(indices, np.uint16(0))
+    a, b = indices[0::2], indices[1::2]
+    packed = np.empty((a.size, 3), dtype=np.uint8)
+    packed[:, 0] = a & 0xFF
+    packed[:, 1] = (a >> 8) | ((b & 0xF) << 4)
+    packed[:, 2] = b >> 4
+    return packed.tobytes()
+
+
+def _unpack_indices(raw: bytes, count: int) -> np.ndarray:
+    triples = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3).astype(np.uint16)
+    a = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
+    b = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
+    indices = np.stack([a, b], axis=1).reshape(-1)
+    if indices.size > count and indices[count]:
+        raise MalformedTensorError("the padding index is not zero")
+    return indices[:count]
+
+
+CODECS = {"sign": OneBitCodec, "topk": TopKCodec}  # join --codec: name -> the codec with its defaults
+SwarmCodec = OneBitCodec | TopKCodec
+
+
+def register_swarm_codecs() -> None:
+    """Make hivemind's (de)serializer know the swarm's compression types. Idempotent; runs on import."""
+    names = {ONEBIT_COMPRESSION_TYPE: ONEBIT_COMPRESSION_NAME, TOPK_COMPRESSION_TYPE: TOPK_COMPRESSION_NAME}
     serialization._BASE_COMPRESSION_TYPES.setdefault(ONEBIT_COMPRESSION_NAME, OneBitCodec())
+    serialization._BASE_COMPRESSION_TYPES.setdefault(TOPK_COMPRESSION_NAME, TopKCodec())
     enum = runtime_pb2.CompressionType
-    if getattr(enum, "_onebit_registered", False):
+    if getattr(enum, "_swarm_codecs_registered", False):
         return
     stock_name = enum.Name
 
     def name(number: int) -> str:
-        return ONEBIT_COMPRESSION_NAME if number == ONEBIT_COMPRESSION_TYPE else stock_name(number)
+        return names[number] if number in names else stock_name(number)
 
     # The serializer looks codecs up by `CompressionType.Name(value)`; the enum wrapper is a plain Python
-    # object, so an instance attribute shadows its method for the one value it does not know.
+    # object, so an instance attribute shadows its method for the values it does not know.
     enum.Name = name
-    enum._onebit_registered = True
+    enum._swarm_codecs_registered = True
 
 
-register_onebit_codec()
+register_swarm_codecs()

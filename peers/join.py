@@ -34,6 +34,7 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.averaging import SwarmAverager
+from tscale_p2p.peers.codec import CODECS
 from tscale_p2p.peers.metrics import SwarmMetrics
 from tscale_p2p.peers.network import NetworkOptions, peer_ids_in, start_dht
 from tscale_p2p.peers.progress import progress_record
@@ -70,7 +71,10 @@ DEFAULT_OUTER_MOMENTUM = 0.7
 # Full feedback cost 1-3 points of val loss from a cold start and won up to 0.9 later in a run on the H200;
 # half of it was level with none from a cold start and the best of the three later in a run (benchmarks/RESULTS.md).
 ERROR_FEEDBACK_CARRY = {"off": None, "damped": 0.5, "full": 1.0}
-DEFAULT_ERROR_FEEDBACK = "damped"
+# --error-feedback left out: per codec. A top-k message carries a few percent of the values, so without full
+# feedback most of an update would never be sent.
+DEFAULT_ERROR_FEEDBACK = {"sign": "damped", "topk": "full"}
+DEFAULT_CODEC = "sign"
 STATE_DOWNLOAD_ATTEMPTS = 3
 INTERRUPTED = "tscale-peer: interrupted; the last checkpoint written stays valid"
 
@@ -90,9 +94,10 @@ class JoinOptions:
     threads: int | None = None  # CPU threads for torch; None: `default_threads()`
     matchmaking_time: float = 5.0
     averaging_timeout: float = 30.0
-    # what a 1-bit message could not carry: "off" drops it, "full" sends it next round, "damped" sends half of it
-    # (ERROR_FEEDBACK_CARRY)
-    error_feedback: str = DEFAULT_ERROR_FEEDBACK
+    # what a message could not carry: "off" drops it, "full" sends it next round, "damped" sends half of it
+    # (ERROR_FEEDBACK_CARRY); None: the run's codec's DEFAULT_ERROR_FEEDBACK
+    error_feedback: str | None = None
+    codec: str | None = None  # None: the run's (or DEFAULT_CODEC for a new run)
     init_from: str | None = None  # a checkpoint to start from instead of the run's initial weights
     publish_every_s: float = 5.0
 
@@ -217,7 +222,8 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             prefix=averaging_prefix(options.run_id),
             matchmaking_time=options.matchmaking_time,
             round_timeout=options.averaging_timeout,
-            residual_carry=ERROR_FEEDBACK_CARRY[options.error_feedback],
+            codec=CODECS[run.codec](),
+            residual_carry=ERROR_FEEDBACK_CARRY[options.error_feedback or DEFAULT_ERROR_FEEDBACK[run.codec]],
             state_source=state_source,
             state_check=StateCheck.of(options.run_id, run, template),
             client_mode=client_mode,
@@ -306,8 +312,8 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
         run.check_flags(options.run_id, explicit)
         if explicit.get("tokenizer") is not None:
             check_explicit_tokenizer(explicit["tokenizer"], run, options.run_id)
-        log.info("%s run %r (config %s): model %s, %d inner steps", "joined" if published else "continuing",
-                 options.run_id, run.hash[:12], run.model_config.dims, run.inner_steps)
+        log.info("%s run %r (config %s): model %s, %d inner steps, codec %s", "joined" if published else "continuing",
+                 options.run_id, run.hash[:12], run.model_config.dims, run.inner_steps, run.codec)
         if start is not None and ModelConfig.from_dict(start.model_config) != run.model_config:
             raise UserError(f"--init-from {start.path} holds model {ModelConfig.from_dict(start.model_config).dims}, "
                             f"but run {options.run_id!r} trains {run.model_config.dims}")
@@ -324,9 +330,10 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
             inner_steps=options.inner_steps or DEFAULT_INNER_STEPS,
             outer_lr=options.outer_lr or DEFAULT_OUTER_LR,
             outer_momentum=options.outer_momentum if options.outer_momentum is not None else DEFAULT_OUTER_MOMENTUM,
+            codec=options.codec or DEFAULT_CODEC,
         )
-        log.info("started run %r (config %s): model %s, %d inner steps", options.run_id, run.hash[:12],
-                 run.model_config.dims, run.inner_steps)
+        log.info("started run %r (config %s): model %s, %d inner steps, codec %s", options.run_id, run.hash[:12],
+                 run.model_config.dims, run.inner_steps, run.codec)
     if cfg.index is not None or run.model_config.index is not None:
         from tscale_p2p.index import check_index_flag
 

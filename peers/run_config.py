@@ -31,6 +31,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from tscale_p2p.atomic import write_atomically
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.errors import UserError
+from tscale_p2p.peers.codec import CODECS
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.records import (
     ProtectedKey,
@@ -81,8 +82,11 @@ class RunConfig:
     outer_momentum: float  # (DiLoCo: 0.9)
     seed: int  # initial weights: every peer builds the same ones, so even simultaneous starters agree
     train: dict  # the SHARED_TRAIN_FIELDS of TrainConfig
+    codec: str = "sign"  # the averaging rounds' codec (peers/codec.py CODECS): every peer must speak the same
 
     def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise UserError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         if self.inner_steps < 1:
             raise UserError(f"inner-steps must be at least 1, got {self.inner_steps}")
         if not self.outer_lr > 0:
@@ -99,6 +103,7 @@ class RunConfig:
         inner_steps: int,
         outer_lr: float,
         outer_momentum: float,
+        codec: str = "sign",
     ) -> "RunConfig":
         return cls(
             model=model_cfg.to_dict(),
@@ -111,6 +116,7 @@ class RunConfig:
                 name: getattr(cfg, name) for name in SHARED_TRAIN_FIELDS
                 if LATER_TRAIN_FIELDS.get(name, object()) != getattr(cfg, name)
             },
+            codec=codec,
         )
 
     @property
@@ -119,7 +125,15 @@ class RunConfig:
 
     @property
     def hash(self) -> str:
-        return hashlib.sha256(_canonical(asdict(self))).hexdigest()
+        return hashlib.sha256(_canonical(self._hashed())).hexdigest()
+
+    def _hashed(self) -> dict:
+        # A run on the sign codec hashes as it did before runs could choose a codec, so its records and saved
+        # configs (which have no "codec" key) still match their hashes.
+        fields_ = asdict(self)
+        if fields_["codec"] == "sign":
+            del fields_["codec"]
+        return fields_
 
     def apply_to(self, cfg: TrainConfig) -> TrainConfig:
         """`cfg` with the run's shared settings (and its model, by dims and kinds) in place of its own."""
@@ -150,6 +164,7 @@ class RunConfig:
             "inner_steps": self.inner_steps,
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,
+            "codec": self.codec,
         }
         for name, value in explicit.items():
             if name not in run_values:
@@ -165,7 +180,7 @@ class RunConfig:
                 )
 
     def to_wire(self) -> dict:
-        return {"config": asdict(self), "hash": self.hash}
+        return {"config": self._hashed(), "hash": self.hash}
 
     @classmethod
     def from_wire(cls, value: object) -> "RunConfig":
@@ -174,7 +189,7 @@ class RunConfig:
             raise UserError("the run config published in the DHT is malformed")
         data = value["config"]
         names = {f.name for f in fields(cls)}
-        if set(data) != names:
+        if set(data) != names and set(data) != names - {"codec"}:  # no codec: a sign run (`_hashed`)
             raise UserError(f"the run config published in the DHT has keys {sorted(data)}, expected {sorted(names)}")
         try:
             config = cls(**data)

@@ -21,7 +21,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from tscale_p2p.kernels.onebit import pack, unpack
 from tscale_p2p.peers.averaging import SwarmAverager, _cancel_step, keep_tasks_until_done
-from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec
+from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec, TopKCodec
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -50,9 +50,11 @@ def weighted_mean(grads: list[list[torch.Tensor]], tokens: list[float]) -> list[
     return [sum(w * g[i] for g, w in zip(grads, weights)) / sum(weights) for i in range(len(SHAPES))]
 
 
-def expected_first_round(grads, tokens) -> list[torch.Tensor]:
-    """Senders send 1-bit grads, the reducer 1-bit of their weighted mean; no residuals yet in round one."""
-    return [onebit(mean) for mean in weighted_mean([[onebit(g) for g in peer] for peer in grads], tokens)]
+def expected_first_round(grads, tokens, codec=OneBitCodec()) -> list[torch.Tensor]:
+    """Senders send the codec's form of their grads, the reducer its return form of their weighted mean; no
+    residuals yet in round one."""
+    sent = [[codec.carried(g) for g in peer] for peer in grads]
+    return [codec.return_trip.carried(mean) for mean in weighted_mean(sent, tokens)]
 
 
 def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -92,11 +94,19 @@ def run_round(averagers, grads, tokens):
     return [p.result(timeout=40) for p in pending]
 
 
-def test_three_peers_average_agree_and_error_feedback_keeps_the_books():
+# TopKCodec's chunks are 4096 values: parts of 4096 (512 bytes at hivemind's 1/32 estimate), 8 values kept a chunk
+# on the way out (4 levels) and 24 on the way back, so three senders' picks mostly fit and the trip is still lossy
+CODEC_CASES = {"sign": (lambda: OneBitCodec(), 256), "topk": (lambda: TopKCodec(k=8, return_k=24), 512)}
+
+
+@pytest.mark.parametrize("codec_name", sorted(CODEC_CASES))
+def test_three_peers_average_agree_and_error_feedback_keeps_the_books(codec_name):
+    make_codec, part_size_bytes = CODEC_CASES[codec_name]
     grads, tokens = [random_grads(seed) for seed in range(3)], [1000.0, 2000.0, 3000.0]
     true_mean = torch.cat([m.view(-1) for m in weighted_mean(grads, tokens)])
     rounds = 3
-    with swarm([OneBitCodec() for _ in range(3)], reducer_error_feedback=True) as averagers:
+    with swarm([make_codec() for _ in range(3)], reducer_error_feedback=True,
+               part_size_bytes=part_size_bytes) as averagers:
         delivered, errors = torch.zeros_like(true_mean), []
         for round_number in range(rounds):
             outcomes = run_round(averagers, grads, tokens)
@@ -110,7 +120,8 @@ def test_three_peers_average_agree_and_error_feedback_keeps_the_books():
             # the group sends 2(n-1) models' worth of values in all, whatever the spans, and receives them all.
             assert sum(o.values_sent for o in outcomes) == sum(o.values_received for o in outcomes) == 4 * true_mean.numel()
             if round_number == 0:
-                assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+                expected = expected_first_round(grads, tokens, make_codec())
+                assert relative_error(outcomes[0].averaged, expected) < 1e-2
             delivered += torch.cat([t.view(-1) for t in outcomes[0].averaged])
             target = true_mean * (round_number + 1)
             errors.append(float((delivered - target).norm() / target.norm()))

@@ -19,7 +19,7 @@ from tscale_p2p.peers.codec import (
     ONEBIT_COMPRESSION_TYPE,
     MalformedTensorError,
     OneBitCodec,
-    register_onebit_codec,
+    register_swarm_codecs,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,8 +68,8 @@ def test_other_float_dtypes_come_back_in_their_dtype():
 
 
 def test_registration_is_idempotent_and_leaves_hivemind_types_alone():
-    register_onebit_codec()
-    register_onebit_codec()
+    register_swarm_codecs()
+    register_swarm_codecs()
     assert runtime_pb2.CompressionType.Name(runtime_pb2.FLOAT16) == "FLOAT16"
     x = torch.randn(100)
     assert torch.equal(deserialize_torch_tensor(serialize_torch_tensor(x, runtime_pb2.NONE)), x)

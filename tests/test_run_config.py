@@ -29,6 +29,7 @@ def test_a_joiner_adopts_the_runs_model_and_schedule_but_keeps_its_own_peer_sett
         ({"lr": 0.01}, "--lr 0.01 contradicts run 'r', which uses lr 0.001"),
         ({"inner_steps": 20}, "--inner-steps 20 contradicts run 'r', which uses inner-steps 50"),
         ({"mlp": "swiglu"}, "--mlp swiglu contradicts"),
+        ({"codec": "topk"}, "--codec topk contradicts run 'r', which uses codec sign"),
     ],
 )
 def test_contradicting_flags_are_refused_naming_the_difference(explicit, message):
@@ -92,3 +93,14 @@ def test_a_joiner_adopts_the_runs_tied_head_and_attention_dropout():
     assert (mine.tie_embeddings, mine.attention_dropout) == (True, 0.1)
     with pytest.raises(UserError, match="--tie-embeddings False contradicts"):
         run.check_flags("r", {"tie_embeddings": False})
+
+
+def test_the_codec_is_a_run_setting_and_sign_runs_keep_the_hash_they_had_without_one():
+    sign, topk = founder_config(), replace(founder_config(), codec="topk")
+    assert topk.hash != sign.hash
+    assert RunConfig.from_wire(topk.to_wire()) == topk
+    record = sign.to_wire()
+    assert "codec" not in record["config"]  # as a record published before runs chose a codec
+    assert RunConfig.from_wire(record) == sign
+    with pytest.raises(UserError, match="codec must be one of sign, topk, got 'gzip'"):
+        replace(sign, codec="gzip")

@@ -163,11 +163,12 @@ def stop_all(peers: list[Process], timeout: float = 60) -> None:
 def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tmp_path, text_file):
     bootstrap = bootstrap_with_hivemind_dht(spawn)
     names = ("a", "b", "c")
-    # --min-peers: training starts once all three are up, so the first round can gather all of them.
+    # --min-peers: training starts once all three are up, so the first round can gather all of them. The top-k
+    # codec here (the other swarm tests run the default sign codec): agreement must not depend on the codec.
     peers = [
         spawn(name, *join_args(name, text_file, "--initial-peers", bootstrap, "--run-id", "agree", "--name", name,
                                "--min-peers", "3", *TINY, "--inner-steps", "5", "--matchmaking-time", "3",
-                               "--averaging-timeout", "20"))
+                               "--averaging-timeout", "20", "--codec", "topk"))
         for name in names
     ]
     # Every round that all three averaged together, and that no peer reports as disturbed (a groupmate lost
@@ -201,6 +202,7 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
                 assert all(torch.equal(x, y) for x, y in zip(theta, other_theta)), (name, other, histories)
     for peer in peers:
         assert "Traceback" not in peer.output()
+        assert re.search(r"run 'agree' \(config \w+\): model \w+, 5 inner steps, codec topk", peer.output())
 
 
 @pytest.mark.timeout(240)
