@@ -503,3 +503,24 @@ def test_a_stream_broken_by_a_peer_that_left_logs_no_unretrieved_task_exception(
 
     assert asyncio.run(scenario(keep=True)) == []
     assert "Task exception was never retrieved" in asyncio.run(scenario(keep=False))  # what the keeper prevents
+
+
+def test_a_topk_sender_with_other_settings_is_dropped_and_the_others_average():
+    """A peer packing more values a chunk than the swarm's codec keeps (more bytes, more influence) is refused as a
+    sender and as a reducer; the two honest peers still agree on their average."""
+    make_codec, part_size_bytes = CODEC_CASES["topk"]
+    codecs = [make_codec(), make_codec(), TopKCodec(k=64, return_k=64)]
+    grads = [random_grads(seed) for seed in range(3)]
+    with swarm(codecs, part_size_bytes=part_size_bytes) as averagers:
+        pending = [a.start_round(g, tokens=1000.0) for a, g in zip(averagers, grads)]
+        first, second = [p.result(timeout=40) for p in pending[:2]]
+    for outcome in (first, second):
+        assert outcome.error is None and outcome.group_size == 3 and outcome.dropped_peers == 1
+        assert all(bool(torch.isfinite(t).all()) for t in outcome.averaged)
+    for a, b in zip(first.averaged, second.averaged):
+        assert torch.equal(a, b)
+    got = torch.cat([t.view(-1) for t in first.averaged])
+    want = torch.cat([t.view(-1) for t in expected_first_round(grads[:2], [1000.0, 1000.0], make_codec())])
+    reduced = got != 0  # the spans the honest peers reduced; the other peer's answers are refused
+    assert int(reduced.sum()) >= 24  # at least one chunk's answer
+    assert float((got[reduced] - want[reduced]).norm() / want[reduced].norm()) < 1e-2
