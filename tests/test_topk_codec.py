@@ -7,6 +7,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 
 from tscale_p2p.peers.codec import TOPK_COMPRESSION_TYPE, MalformedTensorError, TopKCodec
+from test_codec import corrupt  # one message-surgery helper for both codecs' malformed-bytes tests
 
 
 def reference_topk(x: torch.Tensor, chunk: int, k: int, levels: int) -> torch.Tensor:
@@ -91,18 +92,6 @@ def malformed_variants() -> dict[str, runtime_pb2.Tensor]:
         "odd count padded with a nonzero index": corrupt(one, buffer=one.buffer[:16] + b"\x01" + one.buffer[17:]),
         "signs cut short": corrupt(good, buffer=buffer[:sign_at] + buffer[sign_at + 1 :]),
     }
-
-
-def corrupt(message: runtime_pb2.Tensor, **fields) -> runtime_pb2.Tensor:
-    bad = runtime_pb2.Tensor()
-    bad.CopyFrom(message)
-    for name, value in fields.items():
-        if name == "size":
-            del bad.size[:]
-            bad.size.extend(value)
-        else:
-            setattr(bad, name, value)
-    return bad
 
 
 @pytest.mark.parametrize("variant", sorted(malformed_variants()))
