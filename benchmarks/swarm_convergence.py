@@ -425,9 +425,11 @@ def compare(args, out: Path | None, started: float) -> None:
     for name, value, tokens, notes in rows:
         lines.append(f"| {name} | {value:.4f} | {100 * (value / reference - 1):+.2f}% | {tokens:,} | {notes} |")
     # Per-step bf16 all-reduce moves 16 bits/param each way every step; the codec moves these every H steps.
+    # (at --codec's defaults; a row that names its own codec or k says so in its label)
     out_bits, back_bits = bits_per_value(CODECS[args.codec]())
-    lines.append(f"traffic vs per-step bf16 gradient all-reduce: {16 * args.inner_steps / out_bits:.0f}x less out, "
-                 f"{16 * args.inner_steps / back_bits:.0f}x less back ({out_bits:.3f} and {back_bits:.3f} bits/value)")
+    lines.append(f"traffic of --codec {args.codec} vs per-step bf16 gradient all-reduce: "
+                 f"{16 * args.inner_steps / out_bits:.0f}x less out, {16 * args.inner_steps / back_bits:.0f}x less "
+                 f"back ({out_bits:.3f} and {back_bits:.3f} bits/value)")
     print("\n".join(lines), flush=True)
     if out:
         (out / "table.md").write_text("\n".join(lines) + "\n")
