@@ -100,6 +100,14 @@ TOKEN_ALLOWANCE_CAP = 10.0
 # at equal tokens (seen: 7.5x, on a tiny model a few steps into a round). A reducer sending -50x the average fails.
 REPLY_NORM_RATIO = 10.0
 
+# A reducer's average of a span is refused as pointing away from our part when their cosine is below minus this
+# many standard deviations of the cosine of two unrelated vectors of the span's length (1/sqrt(n)). Not below
+# zero: a 1-bit answer can carry none of our share (two contributors, the other weighing 3x: the signs of the
+# average are all the other's), so an honest answer's cosine is then noise around zero, and half of them fell
+# below it. Four deviations refuse such an honest answer about once in 30,000 spans; a reducer flipping an
+# average that holds our share (cosine ~ -0.5 in a group of three) is far beyond them.
+AGREEMENT_SIGMAS = 4.0
+
 _SENT, _RECEIVED, _VALUES_SENT, _VALUES_RECEIVED = 0, 1, 2, 3  # the averager's traffic counters
 
 
@@ -1005,7 +1013,8 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(outgoing)
         if self.should_delay_results(self.peer_id):
             await done_sending.wait()
-        answers, agreement = [], 0.0  # the decoded averages; their dot product with what we sent
+        answers = []  # the decoded averages
+        agreement, sent_squared, answer_squared, span = 0.0, 0.0, 0.0, 0  # their dot product with what we sent
         async for message in aiter_with_timeout(stream, self.reducer_timeout):
             self.traffic[_RECEIVED] += message.ByteSize()
             self.traffic[_VALUES_RECEIVED] += math.prod(message.tensor_part.size)
@@ -1023,10 +1032,14 @@ class _OneBitAllReduceRunner(AllReduceRunner):
                 raise
             sent = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]  # hivemind 1.1.12
             agreement += float(averaged.reshape(-1) @ sent.reshape(-1))
+            sent_squared += float(sent.norm()) ** 2
+            answer_squared += float(averaged.norm()) ** 2
+            span += sent.numel()
             answers.append(averaged)
         if len(answers) != self.tensor_part_container.num_parts_by_peer[peer_index]:
             raise AllreduceException(f"{peer_id} answered {len(answers)} parts instead of all")
-        if agreement < 0 and self.weight >= self.median_tokens / 2:
+        noise = AGREEMENT_SIGMAS * math.sqrt(sent_squared * answer_squared / max(span, 1))
+        if agreement < -noise and self.weight >= self.median_tokens / 2:
             # Over the whole span (a part can be a few values, whose dot product is noise): an honest aggregate
             # has our share in it, and independent updates are nearly orthogonal in high dimension. No strike
             # against the reducer: a peer whose global weights are out of step with the group's (until its

@@ -70,6 +70,15 @@ class LyingReducer(SwarmAverager):
 LyingReducer.__name__ = "SwarmAverager"  # hivemind names a peer's RPC handlers after its class
 
 
+class FlippingReducer(LyingReducer):
+    """A reducer that sends minus the true average of its span: every norm bound passes."""
+
+    factor = staticmethod(lambda runner, sender: -1.0)
+
+
+FlippingReducer.__name__ = "SwarmAverager"
+
+
 class TwoFacedReducer(LyingReducer):
     """Different averages to different peers: the truth to one groupmate, 50x it to the others."""
 

@@ -13,7 +13,7 @@ import torch
 from test_averaging import SHAPES, expected_first_round, onebit, relative_error, swarm
 from test_swarm import TINY, bootstrap_with_hivemind_dht, join_args, join_flags, shared_weights, spawn, text_file  # noqa: F401 (fixtures)
 
-from attacks import LyingReducer, TwoFacedReducer, alie
+from attacks import FlippingReducer, LyingReducer, TwoFacedReducer, alie
 from tscale_p2p.cli import main
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.codec import OneBitCodec
@@ -188,6 +188,22 @@ def test_a_reducer_answering_minus_50x_loses_its_span_and_is_banned():
         grads = grads_of_round(2, 3)
         for outcome in play(honest, grads, [1000.0] * 3, group_size=3):
             assert outcome.group_size == 3 and outcome.dropped_peers == 0 and bool((flat(outcome.averaged) != 0).any())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_reducer_answering_minus_the_average_loses_its_span_without_a_strike():
+    """An average of the right length pointing away from every sender's part is refused (its span stays zero),
+    but earns no strike: a peer out of step with the group can honestly point away from a sender's part."""
+    kinds = [SwarmAverager] * 3 + [FlippingReducer]
+    with swarm([OneBitCodec() for _ in range(4)], averager_type=kinds) as averagers:
+        honest = averagers[:3]
+        for round_number in range(2):
+            grads = grads_of_round(round_number, 4)
+            for outcome in play(averagers, grads, [1000.0] * 4, group_size=4)[:3]:
+                assert outcome.dropped_peers == 1
+                assert 0.1 < float((flat(outcome.averaged) == 0).float().mean()) < 0.5  # the liar's span
+        assert all(averager.banned_count == 0 for averager in honest)
 
 
 @pytest.mark.slow
