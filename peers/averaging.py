@@ -65,6 +65,7 @@ import math
 import multiprocessing as mp
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
@@ -281,6 +282,18 @@ def _declared_tokens(gathered: Any) -> float:
 def _declared_metadata(gathered: Any) -> Any:
     """The `metadata` a groupmate passed to start_round (None if absent); remote data: the caller validates it."""
     return gathered.get("metadata") if isinstance(gathered, dict) else None
+
+
+def _out_of_step(peer_ids: Sequence[PeerID], declared: Sequence[Any]) -> frozenset:
+    """Groupmates whose declared `metadata` (the base of their update, for the swarm) is not the one most of the
+    group declared; all of them when no metadata has a strict majority. Their update is measured against other
+    weights, so it may honestly lie far from the group's: the robust rule still leaves it out, but it is no
+    strike. A liar declaring an odd base escapes strikes this way, not the robust rule."""
+    keys = [repr(_declared_metadata(item)) for item in declared]
+    majority, count = Counter(keys).most_common(1)[0] if keys else (None, 0)
+    if 2 * count <= len(keys):
+        return frozenset(peer_ids)
+    return frozenset(peer for peer, key in zip(peer_ids, keys) if key != majority)
 
 
 class SwarmAverager(DecentralizedAverager):
@@ -660,9 +673,11 @@ class SwarmAverager(DecentralizedAverager):
         if self._outgoing is None:  # hivemind retries after a failed attempt, which rolled the residual back
             self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
         sent = await self._outgoing
+        declared = self._declared(group_info)
         try:
             runner = self._make_runner(
-                group_tokens=self._declared_tokens(group_info),
+                group_tokens=[_declared_tokens(item) for item in declared],
+                out_of_step=_out_of_step(group_info.peer_ids, declared),
                 banned=frozenset(peer for peer in group_info.peer_ids if self._is_banned(peer)),
                 p2p=self._p2p,
                 servicer_type=type(self),
@@ -720,15 +735,15 @@ class SwarmAverager(DecentralizedAverager):
         async for reply in runner.rpc_aggregate_part(achain(as_aiter(first), stream), context):
             yield reply
 
-    def _declared_tokens(self, group_info: GroupInfo) -> list[float]:
-        """The tokens each groupmate declared when the group formed (remote data: malformed entries count 0)."""
+    def _declared(self, group_info: GroupInfo) -> list[Any]:
+        """What each groupmate declared when the group formed (remote data: None where it does not decode)."""
         declared = []
         for blob in group_info.gathered:
             try:
                 _, _, user_gathered = self.serializer.loads(blob)  # hivemind's (bandwidth, mode, user data)
-                declared.append(_declared_tokens(self.serializer.loads(user_gathered)))
+                declared.append(self.serializer.loads(user_gathered))
             except Exception:  # noqa: BLE001  (anything a hostile groupmate could make the decoder raise)
-                declared.append(0.0)
+                declared.append(None)
         return declared
 
     def _pack_with_error_feedback(self) -> torch.Tensor:
@@ -864,12 +879,14 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         group_tokens: Sequence[float],
         traffic: torch.Tensor,
         banned: frozenset = frozenset(),
+        out_of_step: frozenset = frozenset(),
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.codec, self.reducer_residual, self.max_norm_ratio, self.traffic = (
             codec, reducer_residual, max_norm_ratio, traffic
         )
+        self.out_of_step = out_of_step
         self.median_tokens = high_median(torch.tensor(list(group_tokens) or [self.weight], dtype=torch.float64))
         hivemind_reducer, self.tensor_part_reducer = self.tensor_part_reducer, self.part_reducer_type(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
@@ -893,10 +910,12 @@ class _OneBitAllReduceRunner(AllReduceRunner):
 
     @property
     def rejected(self) -> dict[PeerID, str]:
-        """Groupmates caught this round (banned ones aside): parts refused or flagged by the robust rule, and
-        reducers whose averages failed our check. Network trouble is not in it."""
+        """Groupmates caught this round (banned ones aside): parts refused, parts flagged by the robust rule
+        (unless their sender was out of step), and reducers whose averages failed our check. Network trouble is
+        not in it."""
         flags = getattr(self.tensor_part_reducer, "flagged", {})
-        flagged = {self.sender_peer_ids[i]: why for i, why in flags.items()}
+        flagged = {self.sender_peer_ids[i]: why for i, why in flags.items()
+                   if self.sender_peer_ids[i] not in self.out_of_step}
         caught = {**flagged, **self._invalid}
         return {peer: why for peer, why in caught.items() if peer not in self.banned | {self.peer_id}}
 
