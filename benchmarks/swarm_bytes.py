@@ -43,6 +43,7 @@ from hivemind.proto import averaging_pb2
 from tscale_p2p.kernels.onebit import pack, unpack
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.codec import BLOCK_SIZE, CODECS, OneBitCodec, TopKCodec
+from tscale_p2p.peers.hivemind_seam import parts_sent_to
 
 HIVEMIND_PART_SIZE_BYTES = 2**19  # hivemind's default
 ONEBIT_PART_SIZE_BYTES = 2**17  # SwarmAverager's default: 2**20 values per part
@@ -78,14 +79,14 @@ def round_bytes(shapes, codec, part_size_bytes: int, peers: int) -> dict[str, fl
     sent = received = 0
     for reducer in range(1, peers):  # peer 0 sends its parts of the other spans and gets their averages back
         sent += stream_header
-        for part, _ in container._input_parts_by_peer[reducer]:
+        for part in parts_sent_to(container, reducer):
             up, down = sizes(part.numel())
             sent, received = sent + up, received + down
     received += (peers - 1) * stream_header  # peer 0 reduces its own span: every other peer streams to it
-    for part, _ in container._input_parts_by_peer[0]:
+    for part in parts_sent_to(container, 0):
         up, down = sizes(part.numel())
         received, sent = received + (peers - 1) * up, sent + (peers - 1) * down
-    all_parts = [part.numel() for reducer in range(peers) for part, _ in container._input_parts_by_peer[reducer]]
+    all_parts = [part.numel() for reducer in range(peers) for part in parts_sent_to(container, reducer)]
     values = sum(all_parts)
     return dict(
         sent=sent,

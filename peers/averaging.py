@@ -59,7 +59,6 @@ hivemind before any averager process is forked.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import multiprocessing as mp
@@ -70,8 +69,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
-from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import BannedException, TensorPartReducer
@@ -84,6 +82,13 @@ from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, attach_
 from hivemind.utils.mpfuture import MPFuture
 
 from tscale_p2p.peers.codec import OneBitCodec, SwarmCodec, TopKCodec
+from tscale_p2p.peers.hivemind_seam import (
+    AllReduceRunnerBase,
+    AveragerBase,
+    cancel_step,
+    outputs_registered,
+    parts_sent_to,
+)
 from tscale_p2p.peers.reputation import PeerReputation
 from tscale_p2p.peers.robust import high_median, robust_aggregate
 from tscale_p2p.peers.state_download import StateCheck, download_checked_state
@@ -137,24 +142,6 @@ class RoundOutcome:
     values_sent: int = 0
     values_received: int = 0
     group_peers: tuple[str, ...] = ()  # peer ids of the group (this one included), as matchmaking formed it
-
-
-def _cancel_step(control: StepControl) -> bool:
-    """`control.cancel()`, in an order the averager process cannot misread; True if the step was cancelled.
-
-    hivemind 1.1.12's StepControl.cancel wakes the averager process (through the step's cancel future) before it
-    marks the step itself cancelled. An averager that wakes in between finds the step live, goes back to looking
-    for a group, and holds the round until its timeout, while this process waits for it to let go of the
-    buffers. Under CPU load, a lone peer that gives up its rounds (as in tests/test_swarm.py) stalled that way in
-    9 of 17 runs under three CPU hogs; with this order, in none of 23. Marking the step cancelled first closes
-    the window.
-    """
-    if control._trigger is not None:
-        control._trigger.cancel()
-    cancelled = MPFuture.cancel(control)  # the step's own state, which the averager reads once woken
-    if control._cancel is not None and not control._cancel.done():
-        control._cancel.set_result(None)
-    return cancelled
 
 
 class _TaskKeeper:
@@ -225,7 +212,7 @@ class PendingRound:
             return False
         if time.perf_counter() - self._started < after_s:
             return False
-        self._gave_up = _cancel_step(self._control)
+        self._gave_up = cancel_step(self._control)
         return self._gave_up
 
     def result(self, timeout: Optional[float] = None) -> RoundOutcome:
@@ -296,7 +283,7 @@ def _out_of_step(peer_ids: Sequence[PeerID], declared: Sequence[Any]) -> frozens
     return frozenset(peer for peer, key in zip(peer_ids, keys) if key != majority)
 
 
-class SwarmAverager(DecentralizedAverager):
+class SwarmAverager(AveragerBase):
     """Averages a pseudo-gradient with the peers that are ready, 1-bit each way with error feedback.
 
     :param template: tensors with the shapes to average (e.g. the model's parameters); only shapes are used
@@ -457,7 +444,7 @@ class SwarmAverager(DecentralizedAverager):
         """Give up a round scheduled by `schedule_round` that has not started (e.g. training paused or stopped)."""
         scheduled, self._scheduled = self._scheduled, None
         if scheduled is not None:
-            _cancel_step(scheduled.control)
+            cancel_step(scheduled.control)
 
     def start_round(
         self,
@@ -487,7 +474,7 @@ class SwarmAverager(DecentralizedAverager):
             raise
         scheduled, self._scheduled = self._scheduled, None
         if scheduled is not None and (scheduled.control.done() or scheduled.metadata != metadata):
-            _cancel_step(scheduled.control)  # nobody to average with by now, or another base: start afresh
+            cancel_step(scheduled.control)  # nobody to average with by now, or another base: start afresh
             scheduled = None
         if scheduled is None:
             self._wait_for_last_step()
@@ -510,7 +497,7 @@ class SwarmAverager(DecentralizedAverager):
                 control.allow_allreduce()
         except BaseException:
             if scheduled is not None:
-                _cancel_step(scheduled.control)
+                cancel_step(scheduled.control)
             self._step_finished.set()
             raise
         self._pending = PendingRound(self, control, traffic_before)
@@ -518,9 +505,9 @@ class SwarmAverager(DecentralizedAverager):
 
     def _check_contribution(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float) -> None:
         _check_tokens(tokens)
-        if len(pseudo_gradient) != len(self._averaged_tensors):
-            raise ValueError(f"expected {len(self._averaged_tensors)} tensors, got {len(pseudo_gradient)}")
-        for tensor, buffer in zip(pseudo_gradient, self._averaged_tensors):
+        if len(pseudo_gradient) != len(self.averaged_tensors):
+            raise ValueError(f"expected {len(self.averaged_tensors)} tensors, got {len(pseudo_gradient)}")
+        for tensor, buffer in zip(pseudo_gradient, self.averaged_tensors):
             if tensor.shape != buffer.shape:
                 raise ValueError(f"pseudo-gradient shape {tuple(tensor.shape)} != {tuple(buffer.shape)}")
             if not bool(torch.isfinite(tensor).all()):
@@ -557,7 +544,7 @@ class SwarmAverager(DecentralizedAverager):
     def banned_peers(self) -> dict[str, str]:
         """Peers this one has banned for the run (peer id -> the reason it was last rejected for)."""
         future = MPFuture()
-        self._outer_pipe.send(("_banned_peers", [], dict(future=future)))
+        self.run_in_averager_process("_banned_peers", future=future)
         return future.result()
 
     @property
@@ -581,7 +568,7 @@ class SwarmAverager(DecentralizedAverager):
         # the round before it had finished when it was scheduled.
         if self._scheduled is not None:
             return
-        timeout = self.round_timeout + (self._allreduce_timeout or 0.0)
+        timeout = self.round_timeout + (self.allreduce_timeout or 0.0)
         if not self._step_finished.wait(timeout=timeout):
             raise RuntimeError("the averager process has not finished the last round; is it alive?")
 
@@ -591,7 +578,7 @@ class SwarmAverager(DecentralizedAverager):
 
     # ---- averager process ----
 
-    async def _step(self, *, step: StepControl, future_for_init):
+    async def run_step(self, *, step: StepControl, future_for_init):
         keep_tasks_until_done(asyncio.get_running_loop())  # before hivemind creates this step's tasks
         # Pack while matchmaking runs, as soon as the host has handed over the tensors (the trigger): for a big
         # model on a CPU the pack takes seconds, and groupmates drop a sender that stays silent for
@@ -599,10 +586,10 @@ class SwarmAverager(DecentralizedAverager):
         self._outgoing = asyncio.ensure_future(self._pack_once_triggered(step))
         # hivemind's leader starts the all-reduce early only when its group reaches target_group_size; with the
         # swarm's size unknown it would always wait out the matchmaking window. It has no per-step setting.
-        self._matchmaking.target_group_size = int(self._round_group_size) or self._target_group_size
-        self._skip_banned_leaders()
+        self.set_target_group_size(int(self._round_group_size) or self._target_group_size)
+        self.skip_leaders(self._is_banned)  # it then follows no leader this peer has banned
         try:
-            await super()._step(step=step, future_for_init=future_for_init)
+            await super().run_step(step=step, future_for_init=future_for_init)
         finally:
             outgoing, self._outgoing = self._outgoing, None
             if outgoing is not None:  # no all-reduce delivered (e.g. nobody to average with): nothing sent
@@ -635,24 +622,10 @@ class SwarmAverager(DecentralizedAverager):
         async for response in super().rpc_join_group(request, context):
             yield response
 
-    def _skip_banned_leaders(self) -> None:
-        """Make matchmaking pass over banned peers when it looks for a leader to follow (hivemind 1.1.12 asks
-        each potential leader in turn through `Matchmaking._request_join_group`; None means "not this one")."""
-        matchmaking = self._matchmaking
-        if getattr(matchmaking, "_skips_banned_leaders", False):
-            return
-        request_join_group = matchmaking._request_join_group
-
-        async def request_unless_banned(leader: PeerID) -> Optional[GroupInfo]:
-            return None if self._is_banned(leader) else await request_join_group(leader)
-
-        matchmaking._request_join_group = request_unless_banned
-        matchmaking._skips_banned_leaders = True
-
-    async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None):
+    async def download_state(self, future: MPFuture, timeout: Optional[float] = None):
         keep_tasks_until_done(asyncio.get_running_loop())  # a joining peer's first call, before any step
         if self._state_check is None:
-            return await super()._load_state_from_peers(future, timeout=timeout)
+            return await super().download_state(future, timeout=timeout)
         try:
             future.set_result(await download_checked_state(self, self._state_check))
         except BaseException as error:
@@ -661,11 +634,11 @@ class SwarmAverager(DecentralizedAverager):
             raise
 
     async def _pack_once_triggered(self, step: StepControl) -> torch.Tensor:
-        # super()._step attaches the trigger before its first await, so it is there when this task first runs.
+        # super().run_step attaches the trigger before its first await, so it is there when this task first runs.
         await step.wait_for_trigger()
         return await asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
 
-    async def _run_allreduce_inplace_(
+    async def run_allreduce(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs
     ):
         """Replace `tensors` (this peer's pseudo-gradient) by the group's 1-bit average, or raise and change nothing."""
@@ -679,7 +652,7 @@ class SwarmAverager(DecentralizedAverager):
                 group_tokens=[_declared_tokens(item) for item in declared],
                 out_of_step=_out_of_step(group_info.peer_ids, declared),
                 banned=frozenset(peer for peer in group_info.peer_ids if self._is_banned(peer)),
-                p2p=self._p2p,
+                p2p=self.p2p,
                 servicer_type=type(self),
                 prefix=self.prefix,
                 tensors=self._split(sent),
@@ -691,7 +664,7 @@ class SwarmAverager(DecentralizedAverager):
                 traffic=self._traffic,
                 **kwargs,
             )
-            self._running_groups[group_id].set_result(runner)
+            self.register_runner(group_id, runner)
             try:
                 averaged = [tensor async for tensor in runner]
             finally:
@@ -724,10 +697,7 @@ class SwarmAverager(DecentralizedAverager):
         awaits a shield of the future, so its death cancels only its own wait.
         """
         first = await anext(stream)
-        if first.group_id not in self._running_groups:
-            # The leader may have started the all-reduce before its answer (with the group id) reached us.
-            await self._pending_groups_registered.wait()
-        runner_future = self._running_groups.get(first.group_id)
+        runner_future = await self.runner_future(first.group_id)
         if runner_future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
@@ -754,7 +724,7 @@ class SwarmAverager(DecentralizedAverager):
         sends these values exactly.
         """
         sent = torch.empty_like(self._flat)
-        tensors = self._averaged_tensors  # start_round wrote them; no round, no writer, until this one ends
+        tensors = self.averaged_tensors  # start_round wrote them; no round, no writer, until this one ends
         for tensor, residual, out in zip(tensors, self._split(self._sender_residual), self._split(sent)):
             out.copy_(self.codec.carried(tensor, residual.view(-1) if self.residual_carry is not None else None))
         return sent
@@ -775,7 +745,7 @@ class SwarmAverager(DecentralizedAverager):
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of a flat buffer shaped like the averaged tensors."""
-        shapes = [t.shape for t in self._averaged_tensors]
+        shapes = [t.shape for t in self.averaged_tensors]
         return [view.view(shape) for view, shape in zip(flat.split([s.numel() for s in shapes]), shapes)]
 
 
@@ -857,7 +827,7 @@ class _RobustPartReducer(TensorPartReducer):
         return result.aggregate.reshape(shape)
 
 
-class _OneBitAllReduceRunner(AllReduceRunner):
+class _OneBitAllReduceRunner(AllReduceRunnerBase):
     """hivemind's butterfly all-reduce with validated inputs, robust aggregation and one shared 1-bit answer per part.
 
     Outputs are the averaged values themselves (hivemind's runner yields deltas); a failed reducer's span is
@@ -921,7 +891,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
 
     # -- reducer side --
 
-    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
+    async def accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         loop = asyncio.get_running_loop()
         sender = self.sender_peer_ids[sender_index]
         part_index, weight = 0, None
@@ -952,7 +922,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
             raise
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(sender)
+                await self.ban_sender(sender)
 
     def _norm_bound(self, own: float, tokens: float) -> float:
         """The largest norm accepted for a part from `tokens` tokens, ours being `own`."""
@@ -997,7 +967,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
 
     # -- sender side --
 
-    async def _communicate_with_peer(self, peer_id: PeerID):
+    async def communicate_with_peer(self, peer_id: PeerID):
         peer_index = self.ordered_peer_ids.index(peer_id)
         try:
             if peer_id == self.peer_id:
@@ -1011,10 +981,9 @@ class _OneBitAllReduceRunner(AllReduceRunner):
                 logger.info("no average from %s for its span this round: %r", peer_id, e)
                 self._failed_reducers.add(peer_id)
             # The parts this reducer never answered stay zero in the result; remember where they are.
-            container = self.tensor_part_container  # hivemind 1.1.12 internals (pinned): parts not yet answered
-            answered = container._outputs_registered_by_peer[peer_index]
-            unanswered = itertools.islice(container._input_parts_by_peer[peer_index], answered, None)
-            self.lost_spans.extend((p.storage_offset(), p.storage_offset() + p.numel()) for p, _ in unanswered)
+            container = self.tensor_part_container
+            unanswered = parts_sent_to(container, peer_index)[outputs_registered(container, peer_index):]
+            self.lost_spans.extend((p.storage_offset(), p.storage_offset() + p.numel()) for p in unanswered)
             container.register_failed_reducer(peer_index)
             raise
 
@@ -1029,9 +998,10 @@ class _OneBitAllReduceRunner(AllReduceRunner):
         loop = asyncio.get_running_loop()
         done_sending = asyncio.Event()
         outgoing = attach_event_on_finished(self._count_outgoing(peer_index), done_sending)
-        stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(outgoing)
+        stream = await self.peer_stub(peer_id).rpc_aggregate_part(outgoing)
         if self.should_delay_results(self.peer_id):
             await done_sending.wait()
+        sent_parts = parts_sent_to(self.tensor_part_container, peer_index)
         answers = []  # the decoded averages
         agreement, sent_squared, answer_squared, span = 0.0, 0.0, 0.0, 0  # their dot product with what we sent
         async for message in aiter_with_timeout(stream, self.reducer_timeout):
@@ -1049,7 +1019,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
             except InvalidContributionError as e:
                 self._invalid.setdefault(peer_id, f"an invalid average ({e})")
                 raise
-            sent = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]  # hivemind 1.1.12
+            sent = sent_parts[part_index]
             agreement += float(averaged.reshape(-1) @ sent.reshape(-1))
             sent_squared += float(sent.norm()) ** 2
             answer_squared += float(averaged.norm()) ** 2
@@ -1086,7 +1056,7 @@ class _OneBitAllReduceRunner(AllReduceRunner):
 
     async def _count_outgoing(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         sent = self._sent_parts.setdefault(peer_index, [])
-        async for message in self._generate_input_for_peer(peer_index):
+        async for message in self.input_messages_for(peer_index):
             sent.append((torch.Size(message.tensor_part.size), self.codec.norm(message.tensor_part)))
             self.traffic[_SENT] += message.ByteSize()
             self.traffic[_VALUES_SENT] += math.prod(message.tensor_part.size)

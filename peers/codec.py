@@ -6,10 +6,10 @@ Wire format of one tensor (a `runtime_pb2.Tensor` whose `compression` is `ONEBIT
 `size` is the shape and `dtype` the original dtype. With the default 256-value blocks that is
 1 + 16/256 = 1.0625 bits per value (block size chosen by measurement: benchmarks/RESULTS.md).
 
-hivemind 1.1.12 has no 1-bit codec and its `CompressionType` enum cannot be extended without rebuilding it
-(and its p2pd binary comes only in the PyPI wheel). An unknown enum value does survive the protobuf round
-trip, so `register_swarm_codecs()` teaches hivemind's serializer the extra values instead. Importing this module
-registers it, so every process that unpickles a `SwarmAverager` (or forks after importing it) can decode it.
+hivemind 1.1.12 has no 1-bit codec and its `CompressionType` enum has no value for ours, so
+`register_swarm_codecs()` teaches hivemind's serializer the extra values (peers/hivemind_seam.py). Importing this
+module registers them, so every process that unpickles a `SwarmAverager` (or forks after importing it) can decode
+them.
 
 A codec is stateless. Error feedback needs memory across rounds, and the codec runs inside the
 averager's child process, so the residuals live in `SwarmAverager` (peers/averaging.py).
@@ -22,11 +22,11 @@ from typing import Optional
 
 import numpy as np
 import torch
-from hivemind.compression import serialization
 from hivemind.compression.base import CompressionBase, CompressionInfo
 from hivemind.proto import runtime_pb2
 
 from tscale_p2p.kernels.onebit import error_feedback_pack, pack, packed_sizes, unpack
+from tscale_p2p.peers.hivemind_seam import register_compression_type
 
 ONEBIT_COMPRESSION_TYPE = 64  # far above hivemind's own values (0-5), so a future release is unlikely to clash
 ONEBIT_COMPRESSION_NAME = "ONEBIT_SIGN"
@@ -376,21 +376,8 @@ SwarmCodec = OneBitCodec | TopKCodec
 
 def register_swarm_codecs() -> None:
     """Make hivemind's (de)serializer know the swarm's compression types. Idempotent; runs on import."""
-    names = {ONEBIT_COMPRESSION_TYPE: ONEBIT_COMPRESSION_NAME, TOPK_COMPRESSION_TYPE: TOPK_COMPRESSION_NAME}
-    serialization._BASE_COMPRESSION_TYPES.setdefault(ONEBIT_COMPRESSION_NAME, OneBitCodec())
-    serialization._BASE_COMPRESSION_TYPES.setdefault(TOPK_COMPRESSION_NAME, TopKCodec())
-    enum = runtime_pb2.CompressionType
-    if getattr(enum, "_swarm_codecs_registered", False):
-        return
-    stock_name = enum.Name
-
-    def name(number: int) -> str:
-        return names[number] if number in names else stock_name(number)
-
-    # The serializer looks codecs up by `CompressionType.Name(value)`; the enum wrapper is a plain Python
-    # object, so an instance attribute shadows its method for the values it does not know.
-    enum.Name = name
-    enum._swarm_codecs_registered = True
+    register_compression_type(ONEBIT_COMPRESSION_TYPE, ONEBIT_COMPRESSION_NAME, OneBitCodec())
+    register_compression_type(TOPK_COMPRESSION_TYPE, TOPK_COMPRESSION_NAME, TopKCodec())
 
 
 register_swarm_codecs()

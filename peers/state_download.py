@@ -201,7 +201,7 @@ def _offers(averager, check: StateCheck) -> dict:
 
 async def _download_from(averager, peer: str, check: StateCheck, timeout: float | None):
     """(metadata, tensors) streamed from `peer`, each tensor's header checked before its data is buffered."""
-    stub = averager.get_stub(averager._p2p, PeerID.from_base58(peer), namespace=averager.prefix)  # noqa: SLF001
+    stub = averager.get_stub(averager.p2p, PeerID.from_base58(peer), namespace=averager.prefix)
     stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
     metadata, tensors, parts, buffered = None, [], [], 0
     try:

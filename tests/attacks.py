@@ -45,9 +45,9 @@ class _LyingRunner(_OneBitAllReduceRunner):
 
     factor: Callable = staticmethod(lambda runner, sender: -50.0)
 
-    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+    async def accumulate_parts_streaming(self, stream, sender_index: int):
         factor = self.factor(self, self.sender_peer_ids[sender_index])
-        async for message in super()._accumulate_parts_streaming(stream, sender_index):
+        async for message in super().accumulate_parts_streaming(stream, sender_index):
             lie = self.codec.compress(self.codec.extract(message.tensor_part) * factor, info=None)
             yield averaging_pb2.AveragingData(code=message.code, tensor_part=lie)
 
