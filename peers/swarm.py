@@ -85,6 +85,8 @@ class RoundAverager(Protocol):
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None): ...
 
+    def banned_peers(self) -> dict[str, str]: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -409,9 +411,16 @@ class SwarmPeer:
         self.report.round(flight.number, outcome, self._fingerprint)
         if outcome.averaged is not None and not outcome.dropped_peers:
             self.clock.confirm(outcome.group_peers)  # they really averaged with us: their progress counts fully
-        consensus = group_consensus(outcome.group_metadata) if outcome.averaged is not None else None
+        consensus = self._group_consensus(outcome) if outcome.averaged is not None else None
         if consensus is not None and consensus != flight.base:
             self._resync(flight, consensus, average)
+
+    def _group_consensus(self, outcome: RoundOutcome) -> Base | None:
+        """The base most of the group declared, peers this one banned left out: a banned peer's parts were
+        ignored, and its vote must not pull this peer onto its weights (in a tie of two against two, it did)."""
+        banned = self.averager.banned_peers() if self.averager.banned_count else {}
+        return group_consensus([metadata for peer, metadata in zip(outcome.group_peers, outcome.group_metadata)
+                                if peer not in banned])
 
     def _resync(self, flight: _InFlight, consensus: Base, average: dict) -> None:
         """Our round was formed on other global weights than most of the group's: download the swarm's state,

@@ -75,10 +75,11 @@ class ScriptedAverager:
     """A `RoundAverager` whose round k is `rounds(k, pseudo_gradient, metadata)` and whose state download is
     `donor()`. Shares nothing (the DHT is not there)."""
 
-    client_mode, allow_state_sharing, banned_count = False, False, 0
+    client_mode, allow_state_sharing = False, False
 
-    def __init__(self, rounds, donor=None) -> None:
+    def __init__(self, rounds, donor=None, banned=None) -> None:
         self.rounds, self.donor = rounds, donor
+        self.banned = dict(banned or {})  # peer id -> why, as SwarmAverager.banned_peers()
         self.matchmaking_time, self.round_timeout = MATCHMAKING_S, 5.0
         self.state_sharing_priority = 0.0
         self.round_scheduled = False
@@ -101,6 +102,13 @@ class ScriptedAverager:
         self.downloads += 1
         return self.donor() if self.donor else None
 
+    @property
+    def banned_count(self) -> int:
+        return len(self.banned)
+
+    def banned_peers(self) -> dict[str, str]:
+        return dict(self.banned)
+
     def shutdown(self) -> None:
         pass
 
@@ -120,12 +128,12 @@ def train_config(corpus, out) -> TrainConfig:
                        save_every=0, eval_every=0, log_every=1000)
 
 
-def make_peer(corpus, out, rounds, *, donor=None, max_steps=None, clock=None, trainer=None) -> SwarmPeer:
+def make_peer(corpus, out, rounds, *, donor=None, max_steps=None, clock=None, trainer=None, banned=None) -> SwarmPeer:
     cfg = train_config(corpus, out)
     trainer = trainer or Trainer(ModelConfig.from_dims("e32h2d1w32"), cfg, load_corpus(str(corpus)), torch.device("cpu"))
     run = RunConfig.from_settings(cfg, trainer.model_cfg, tokenizer_id(trainer.corpus.tokenizer, trainer.corpus.vocab_size),
                                   inner_steps=H, outer_lr=LR, outer_momentum=MOMENTUM)
-    return SwarmPeer(trainer, lambda template, source: ScriptedAverager(rounds, donor), NoMetrics(),
+    return SwarmPeer(trainer, lambda template, source: ScriptedAverager(rounds, donor, banned), NoMetrics(),
                      SwarmIdentity("me", "me", "loop", "cpu", relayed=False), LocalStatus(), run=run,
                      max_steps=max_steps, publish_every_s=60.0, clock=clock or QuietClock())
 
@@ -259,6 +267,22 @@ def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_
     assert "differ from the group's (round 0" in caplog.text
     assert f"back in step with the swarm at round 1, weights {expected_base['weights']}" in caplog.text
     assert peer.averager.started[1][1] == expected_base  # round 2 is formed on the group's weights
+
+
+@pytest.mark.parametrize("banned", [False, True])
+def test_a_banned_groupmate_does_not_vote_on_the_groups_base(corpus, tmp_path, banned):
+    """Two of four declare our base, two another one, which wins the tie: the peer resyncs onto it, unless one of
+    those two is a peer it banned (its parts were ignored; its vote must not pull the peer onto its weights)."""
+    def rounds(number, gradient, metadata):
+        if number > 1:
+            return ScriptedRound()
+        theirs = {"round": 0, "weights": "0" * 12}  # the smaller fingerprint: it wins a tie
+        return averaged_with_group([0.5 * g for g in gradient], [metadata, metadata, theirs, theirs])
+
+    peer = make_peer(corpus, tmp_path / "vote", rounds, max_steps=2 * H + 1,
+                     banned={"peer-3": "a part far from the group's"} if banned else None)
+    peer.run()
+    assert peer.averager.downloads == (0 if banned else 1)
 
 
 def test_a_peer_that_cannot_download_the_groups_state_stays_out_of_step_and_shares_its_own_again(
