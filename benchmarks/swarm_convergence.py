@@ -28,6 +28,7 @@ at other outer learning rates; `--from-step N` starts every row (the swarm's pee
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import multiprocessing
@@ -150,10 +151,12 @@ APPLY_AFTER_TRIPS = {
 
 
 def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr: float,
-                      overrides: dict | None = None) -> tuple[float, int]:
+                      overrides: dict | None = None, on_round=None) -> tuple[float, int]:
     """In-process DiLoCo rounds; each round's average is applied `delay` steps into the next round (0:
     synchronous; H: one round late); `averaging`: see TRIPS; `peer_lr`: the peers' inner peak lr; `overrides`:
-    this row's codec, carry, outer_momentum (see --apply-after-trips)."""
+    this row's codec, carry, outer_momentum (see --apply-after-trips). `on_round(steps, weights)`, if given, sees
+    each round's steps per peer so far and the global weights once that round's average is applied (a copy); a
+    true answer ends training there."""
     up, down = TRIPS[averaging]
     args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr, "lr": peer_lr, **(overrides or {})})
     codec = CODECS[args.codec](**getattr(args, "codec_options", {}))
@@ -182,6 +185,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
         if down != "exact":
             previous = {n: carried(codec.return_trip, m, residuals[-1][n] if down == "ef" else None)
                         for n, m in previous.items()}
+        if on_round is not None and on_round(start + steps, copy.deepcopy(outers[0]).step(previous)):
+            break
     outers[0].step(previous)  # the last average arrives after training: apply it
     return val_loss(args, outers[0].weights), sum(t.tokens_seen for t in peers)
 
@@ -294,8 +299,9 @@ def delay_steps(timing: str, inner_steps: int) -> int:
     return int(re.fullmatch(r"applied after (\d+) steps", timing).group(1))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the run every row trains (model, data, peers, schedule, outer step, codec); benchmarks that
+    reuse this module's rows take them too."""
     parser.add_argument("--data", required=True, help="a text file, e.g. tinyshakespeare.txt")
     parser.add_argument("--model", default="e64h4d2w128")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -304,22 +310,27 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per peer")
     parser.add_argument("--inner-steps", type=int, default=25)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--peer-lr", help="the peers' inner peak lr (default: --lr), for peers whose batch is "
-                        "--peers times smaller than the one process's; several (comma-separated) repeat every "
-                        "in-process DiLoCo row for each, and the swarm takes the first")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--outer-lr", type=float, default=DEFAULT_OUTER_LR, help="(default: join's)")
     parser.add_argument("--outer-momentum", type=float, default=DEFAULT_OUTER_MOMENTUM, help="(default: join's)")
+    parser.add_argument("--eval-batches", type=int, default=40)
+    parser.add_argument("--codec", default="sign", choices=sorted(CODECS),
+                        help="the codec of the compressed trips, in process and the swarm's (join --codec)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(parser)
+    parser.add_argument("--peer-lr", help="the peers' inner peak lr (default: --lr), for peers whose batch is "
+                        "--peers times smaller than the one process's; several (comma-separated) repeat every "
+                        "in-process DiLoCo row for each, and the swarm takes the first")
     parser.add_argument("--tune-outer-lrs", default="", help="comma-separated outer lrs of extra one-round-late rows")
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
-    parser.add_argument("--eval-batches", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--skip-swarm", action="store_true")
     parser.add_argument("--error-feedback", nargs="?", const="full", default="off", choices=sorted(ERROR_FEEDBACK_CARRY),
                         help="the swarm's peers' join --error-feedback (default: off, as in the commands recorded "
                         "before join had the choice; the flag alone: full)")
-    parser.add_argument("--codec", default="sign", choices=sorted(CODECS),
-                        help="the codec of the compressed trips, in process and the swarm's (join --codec)")
     parser.add_argument("--carry", type=float, default=DAMPING,
                         help="the damped-ef rows' share of its residual a sender carries into the next round")
     parser.add_argument("--skip-diloco", action="store_true", help="no exact-mean DiLoCo rows")
