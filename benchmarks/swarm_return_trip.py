@@ -27,8 +27,7 @@ import time
 import torch
 from torch import nn
 
-from tscale_p2p.kernels.onebit import error_feedback_pack, pack, unpack
-from tscale_p2p.peers.codec import BLOCK_SIZE
+from tscale_p2p.peers.codec import OneBitCodec
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 
 CONTEXT, PEERS, BATCH, INNER_STEPS = 8, 4, 32, 10
@@ -55,10 +54,7 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
 
-def onebit(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """What one trip carries: sign + block scale of x (+ residual, which keeps the rest when given)."""
-    signs, scales = pack(x, BLOCK_SIZE) if residual is None else error_feedback_pack(x, residual, BLOCK_SIZE)
-    return unpack(signs, scales, x.numel(), BLOCK_SIZE).view(x.shape)
+onebit = OneBitCodec().carried  # what one trip carries: sign + block scale (+ residual, which keeps the rest)
 
 
 class Averaging:
