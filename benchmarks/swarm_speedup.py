@@ -11,6 +11,8 @@
              arrives; swarm_convergence.py's rows, whose twin has landed within 0.2 points of the real swarm);
              the global weights are evaluated after every round, and training stops at the first round <= L.
 - exact mean the same rounds with the exact mean of the pseudo-gradients (the reference: no compression).
+- one process on the combined batch (`--peers` x B, same schedule): what the extra data buys with no rounds at
+             all, the ceiling of the swarm's compute multiplier at this model size and schedule.
 
 Each in-process peer stands for a volunteer on a machine of its own, so wall time is counted per peer: the solo
 run takes N x t_step, the swarm S x t_step + rounds x t_round, with S the steps per peer to reach L, t_step the
@@ -39,9 +41,10 @@ SWARM_TRIPS = {None: "1-bit both ways, no error feedback", 1.0: "swarm"}
 DAMPED_TRIPS = "1-bit both ways, a damped sender residual"
 
 
-def solo(args) -> tuple[list[tuple[int, float]], float]:
-    """One peer alone: its val loss curve (steps, loss) every H steps, and the median step time in seconds."""
-    trainer = trainer_for(args, args.batch_size, seed=1)
+def one_process(args, batch_size: int, name: str, target: float | None = None) -> tuple[list[tuple[int, float]], float]:
+    """One trainer of `batch_size`: its val loss curve (steps, loss) every H steps, up to the first <= target, and
+    the median step time in seconds."""
+    trainer = trainer_for(args, batch_size, seed=1)
     curve, times = [], []
     for step in range(1, args.steps + 1):
         started = time.perf_counter()
@@ -49,7 +52,9 @@ def solo(args) -> tuple[list[tuple[int, float]], float]:
         times.append(time.perf_counter() - started)
         if step % args.inner_steps == 0 or step == args.steps:
             curve.append((step, trainer.evaluate().loss))
-            print(f"solo, step {step}: {curve[-1][1]:.4f}", flush=True)
+            print(f"{name}, step {step}: {curve[-1][1]:.4f}", flush=True)
+            if target is not None and curve[-1][1] <= target:
+                break
     return curve, statistics.median(times)
 
 
@@ -95,9 +100,13 @@ def main() -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
 
-    solo_curve, step_s = solo(args)
+    solo_curve, step_s = one_process(args, args.batch_size, "solo")
     target = solo_curve[-1][1]
     rows = [("one peer alone", solo_curve, args.steps)]
+    combined, _ = one_process(args, args.peers * args.batch_size, "combined batch", target)
+    # no rounds: its wall time is not a volunteer's, so the table gives it the compute multiplier only
+    ceiling = (f"one process on the combined batch ({args.peers} x {args.batch_size}; no rounds: the ceiling)",
+               combined, first_reaching(combined, target))
     error_feedback = DEFAULT_ERROR_FEEDBACK[args.codec]
     for name, averaging in (
         (f"{args.peers} peers, {args.codec} codec both ways, error feedback {error_feedback} (join's default)",
@@ -106,6 +115,7 @@ def main() -> None:
     ):
         curve = swarm(args, averaging, target)
         rows.append((name, curve, first_reaching(curve, target)))
+    rows.append(ceiling)
 
     solo_wall = args.steps * step_s
     lines = [
@@ -123,6 +133,9 @@ def main() -> None:
         if steps is None:
             lines.append(f"| {name} | not reached in {curve[-1][0]} | {len(curve)} | < {args.steps / curve[-1][0]:.2f} "
                          f"| - | - | {curve[-1][1]:.4f} |")
+            continue
+        if curve is combined:
+            lines.append(f"| {name} | {steps} | - | {args.steps / steps:.2f} | - | - | {dict(curve)[steps]:.4f} |")
             continue
         rounds = 0 if curve is solo_curve else -(-steps // args.inner_steps)
         wall = steps * step_s + rounds * args.round_time
