@@ -39,6 +39,7 @@ MEASURED_ROUND_S = 0.9
 # join's sender residual carry -> swarm_convergence.TRIPS key that averages as SwarmAverager does with it
 SWARM_TRIPS = {None: "1-bit both ways, no error feedback", 1.0: "swarm"}
 DAMPED_TRIPS = "1-bit both ways, a damped sender residual"
+ROWS = ("codec", "exact", "combined")  # besides the solo run, which sets the target
 
 
 def one_process(args, batch_size: int, name: str, target: float | None = None) -> tuple[list[tuple[int, float]], float]:
@@ -85,8 +86,13 @@ def main() -> None:
     parser.add_argument("--round-time", type=float, default=MEASURED_ROUND_S, help="seconds a volunteer waits per "
                         f"averaging round (default {MEASURED_ROUND_S}: the real swarm's measured 0.7-1.1 s on "
                         "100 Mbit/s, 40 ms links, benchmarks/RESULTS.md)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"the rows besides the solo run, comma-separated: "
+                        f"{', '.join(ROWS)} (to split one comparison across processes; default: all)")
     parser.add_argument("--out", help="folder for table.md and results.json (the curves)")
     args = parser.parse_args()
+    rows_wanted = args.rows.split(",")
+    if not rows_wanted or any(row not in ROWS for row in rows_wanted):
+        parser.error(f"--rows takes a comma-separated subset of {', '.join(ROWS)}, got {args.rows!r}")
     for name in ("steps", "inner_steps", "peers", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -103,19 +109,21 @@ def main() -> None:
     solo_curve, step_s = one_process(args, args.batch_size, "solo")
     target = solo_curve[-1][1]
     rows = [("one peer alone", solo_curve, args.steps)]
-    combined, _ = one_process(args, args.peers * args.batch_size, "combined batch", target)
-    # no rounds: its wall time is not a volunteer's, so the table gives it the compute multiplier only
-    ceiling = (f"one process on the combined batch ({args.peers} x {args.batch_size}; no rounds: the ceiling)",
-               combined, first_reaching(combined, target))
     error_feedback = DEFAULT_ERROR_FEEDBACK[args.codec]
-    for name, averaging in (
-        (f"{args.peers} peers, {args.codec} codec both ways, error feedback {error_feedback} (join's default)",
-         SWARM_TRIPS.get(carry, DAMPED_TRIPS)),
-        (f"{args.peers} peers, exact mean (reference)", "exact"),
+    for row, name, averaging in (
+        ("codec", f"{args.peers} peers, {args.codec} codec both ways, error feedback {error_feedback} (join's "
+         "default)", SWARM_TRIPS.get(carry, DAMPED_TRIPS)),
+        ("exact", f"{args.peers} peers, exact mean (reference)", "exact"),
     ):
-        curve = swarm(args, averaging, target)
-        rows.append((name, curve, first_reaching(curve, target)))
-    rows.append(ceiling)
+        if row in rows_wanted:
+            curve = swarm(args, averaging, target)
+            rows.append((name, curve, first_reaching(curve, target)))
+    combined = None
+    if "combined" in rows_wanted:
+        combined, _ = one_process(args, args.peers * args.batch_size, "combined batch", target)
+        # no rounds: its wall time is not a volunteer's, so the table gives it the compute multiplier only
+        rows.append((f"one process on the combined batch ({args.peers} x {args.batch_size}; no rounds: the "
+                     "ceiling)", combined, first_reaching(combined, target)))
 
     solo_wall = args.steps * step_s
     lines = [
