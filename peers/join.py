@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -51,6 +51,7 @@ from tscale_p2p.peers.run_config import (
     save_run_config,
 )
 from tscale_p2p.peers.run_tokenizer import check_explicit_tokenizer, run_tokenizer_spec, save_run_tokenizer
+from tscale_p2p.peers.settings import SwarmSettings
 from tscale_p2p.peers.state_download import StateCheck, state_offer_record
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
@@ -81,24 +82,12 @@ INTERRUPTED = "tscale-peer: interrupted; the last checkpoint written stays valid
 
 @dataclass(frozen=True)
 class JoinOptions:
-    """The swarm flags of `tscale-peer join` (the training flags are a `TrainConfig`)."""
+    """What `tscale-peer join` takes besides its training settings (a `TrainConfig`): where the swarm is, which run,
+    and this peer's swarm section."""
 
     network: NetworkOptions
     run_id: str
-    name: str | None = None
-    inner_steps: int | None = None  # None: the run's (or DEFAULT_INNER_STEPS for a new run)
-    outer_lr: float | None = None
-    outer_momentum: float | None = None
-    max_steps: int | None = None
-    min_peers: int = 1  # wait until this many peers (this one included) are live before training
-    threads: int | None = None  # CPU threads for torch; None: `default_threads()`
-    matchmaking_time: float = 5.0
-    averaging_timeout: float = 30.0
-    # what a message could not carry: "off" drops it, "full" sends it next round, "damped" sends half of it
-    # (ERROR_FEEDBACK_CARRY); None: the run's codec's DEFAULT_ERROR_FEEDBACK
-    error_feedback: str | None = None
-    codec: str | None = None  # None: the run's (or DEFAULT_CODEC for a new run)
-    init_from: str | None = None  # a checkpoint to start from instead of the run's initial weights
+    swarm: SwarmSettings = field(default_factory=SwarmSettings)
     publish_every_s: float = 5.0
 
 
@@ -106,7 +95,7 @@ def join(cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalSt
     """Run one swarm peer to completion; returns the exit code. `explicit` holds the settings the user gave
     (flag name -> value), which must agree with the run's; `status` is updated live for a dashboard."""
     status = status or LocalStatus()
-    threads = options.threads or default_threads()
+    threads = options.swarm.threads or default_threads()
     torch.set_num_threads(threads)  # before the averager process is forked: it inherits the setting
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
         # hivemind logs a traceback for every round that finds no group; our loop reports it in one line.
@@ -142,15 +131,15 @@ def _join_until_stopped(cfg: TrainConfig, explicit: dict, options: JoinOptions, 
 def starting_checkpoint(cfg: TrainConfig, options: JoinOptions) -> Checkpoint | None:
     """--init-from's checkpoint, loaded and verified; None without the flag, or when --out already holds this
     peer's own checkpoint (a restart with the same command line resumes that instead)."""
-    if options.init_from is None:
+    if options.swarm.init_from is None:
         return None
-    if not Path(options.init_from).is_dir():
-        raise UserError(f"--init-from {options.init_from!r}: no such checkpoint folder")
+    if not Path(options.swarm.init_from).is_dir():
+        raise UserError(f"--init-from {options.swarm.init_from!r}: no such checkpoint folder")
     if find_latest(Path(cfg.out)) is not None:
         log.info("%s holds this peer's checkpoint: resuming from it, not from --init-from %s", cfg.out,
-                 options.init_from)
+                 options.swarm.init_from)
         return None
-    return resume_from(options.init_from)
+    return resume_from(options.swarm.init_from)
 
 
 def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, status: LocalStatus, should_stop,
@@ -191,7 +180,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
         trainer.apply_outer_update(initial_weights(run))
     if not options.network.initial_peers:
         _print_join_line(maddrs, options.run_id)
-    name = options.name or f"peer-{peer_id[-6:]}"
+    name = options.swarm.name or f"peer-{peer_id[-6:]}"
     identity = SwarmIdentity(
         peer_id=peer_id,
         name=name,
@@ -210,7 +199,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
         precision=trainer.precision,
         offload=cfg.offload != "none",
         inner_steps=run.inner_steps,
-        max_steps=options.max_steps,
+        max_steps=options.swarm.max_steps,
         step=trainer.step,
     )
     client_mode = options.network.client_mode
@@ -220,10 +209,10 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             template,
             dht,
             prefix=averaging_prefix(options.run_id),
-            matchmaking_time=options.matchmaking_time,
-            round_timeout=options.averaging_timeout,
+            matchmaking_time=options.swarm.matchmaking_time,
+            round_timeout=options.swarm.averaging_timeout,
             codec=CODECS[run.codec](),
-            residual_carry=ERROR_FEEDBACK_CARRY[options.error_feedback or DEFAULT_ERROR_FEEDBACK[run.codec]],
+            residual_carry=ERROR_FEEDBACK_CARRY[options.swarm.error_feedback or DEFAULT_ERROR_FEEDBACK[run.codec]],
             state_source=state_source,
             state_check=StateCheck.of(options.run_id, run, template),
             client_mode=client_mode,
@@ -239,7 +228,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
         status,
         run=run,
         signed_run=signed_run,
-        max_steps=options.max_steps,
+        max_steps=options.swarm.max_steps,
         publish_every_s=options.publish_every_s,
     )
     try:
@@ -251,8 +240,8 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             peer.announce_state()
         log.info("%s (%s) training on %s, %s, %d CPU threads; peer id %s", name, options.run_id, identity.device,
                  trainer.precision, torch.get_num_threads(), peer_id)
-        if options.min_peers > 1:
-            wait_for_peers(peer, options.min_peers, should_stop)
+        if options.swarm.min_peers > 1:
+            wait_for_peers(peer, options.swarm.min_peers, should_stop)
         if not should_stop():
             peer.run(should_stop)
         if peer.wall_s > 0:
@@ -323,14 +312,15 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
         corpus = apply_tokenizer(corpus, cfg.tokenizer, seed=cfg.seed, planned_tokens=planned_tokens(cfg, device.type),
                                  **of_start)
         save_run_tokenizer(cfg.out, corpus.tokenizer)
+        swarm = options.swarm
         run = RunConfig.from_settings(
             cfg,
             model_config_for(cfg, device.type, corpus.vocab_size, start.model_config if start else None),
             tokenizer_id(corpus.tokenizer, corpus.vocab_size),
-            inner_steps=options.inner_steps or DEFAULT_INNER_STEPS,
-            outer_lr=options.outer_lr or DEFAULT_OUTER_LR,
-            outer_momentum=options.outer_momentum if options.outer_momentum is not None else DEFAULT_OUTER_MOMENTUM,
-            codec=options.codec or DEFAULT_CODEC,
+            inner_steps=swarm.inner_steps or DEFAULT_INNER_STEPS,
+            outer_lr=swarm.outer_lr or DEFAULT_OUTER_LR,
+            outer_momentum=swarm.outer_momentum if swarm.outer_momentum is not None else DEFAULT_OUTER_MOMENTUM,
+            codec=swarm.codec or DEFAULT_CODEC,
         )
         log.info("started run %r (config %s): model %s, %d inner steps, codec %s", options.run_id, run.hash[:12],
                  run.model_config.dims, run.inner_steps, run.codec)

@@ -60,7 +60,7 @@ def test_join_takes_every_section_from_one_file(tmp_path):
     config.write_text(f'[network]\ninitial-peers = ["{PEER}"]\nrun-id = "filed"\n[swarm]\ninner-steps = 7\n'
                       '[optim]\nlr = 1e-4\n')
     cfg, explicit, options = join_inputs(build_parser().parse_args(["join", "--config", str(config), "--steps", "50"]))
-    assert options.network.initial_peers == (PEER,) and options.run_id == "filed" and options.inner_steps == 7
+    assert options.network.initial_peers == (PEER,) and options.run_id == "filed" and options.swarm.inner_steps == 7
     assert cfg.out.endswith("filed") and cfg.lr == 1e-4
     assert explicit == {"inner_steps": 7, "lr": 1e-4, "steps": 50}  # what must agree with a run being joined
 
@@ -81,6 +81,7 @@ def test_environment_variables_are_not_settings(tmp_path, monkeypatch):
     ("train", "[device]\nprecision = 'fp4'\n", "precision' in config file"),
     ("join", "[sync]\nsync-timeout = 5\n", "unknown key 'sync'"),  # a section join does not take
     ("join", "[swarm]\ninner-steps = 0\n", "must be at least 1, got 0"),
+    ("join", '[swarm]\nname = "tab\\there"\n', "--name must be at most 64 printable characters"),  # TOML's tab
     ("peers", '[network]\ninitial-peers = ["garbage"]\n', "is not a valid multiaddr"),
     ("peers", "[network]\nport = 5\n", "unknown key 'port' in [network]"),
     ("serve", "[serve]\nport = 70000\n", "port"),

@@ -17,6 +17,7 @@ from tscale_p2p.config import TrainConfig
 from tscale_p2p.peers.join import JoinOptions, join
 from tscale_p2p.peers.metrics import PeerRecord
 from tscale_p2p.peers.network import NetworkOptions
+from tscale_p2p.peers.settings import SwarmSettings
 from tscale_p2p.peers.status import AveragingRecord, LocalStatus, StatusSnapshot
 from tscale_p2p.peers.swarm_state import saved_state_file
 from tscale_p2p.progress import WorkProgress
@@ -430,7 +431,8 @@ def test_live_two_peer_swarm_appears_in_the_table_and_q_stops_this_peer(spawn, t
     cfg = TrainConfig(data=str(text_file), model="e32h2d2w64", batch_size=4, device="cpu", log_every=5,
                       steps=1_000_000, save_every=0, out=str(tmp_path / "alpha"))  # fmt: skip (both train until q)
     network = NetworkOptions(host_maddrs=("/ip4/127.0.0.1/tcp/0",), identity_path=str(tmp_path / "alpha.key"))
-    options = JoinOptions(network, run_id="live", name="alpha", inner_steps=5, matchmaking_time=2, averaging_timeout=10)
+    swarm = SwarmSettings(name="alpha", inner_steps=5, matchmaking_time=2, averaging_timeout=10)
+    options = JoinOptions(network, run_id="live", swarm=swarm)
     source = TrainingPeerSource(status)
     seen: dict[str, object] = {}
 

@@ -1,0 +1,56 @@
+"""The swarm section of `tscale-peer join`: its flags, its `[swarm]` TOML table and `JoinOptions.swarm`, declared
+once (`tscale_p2p.settings`).
+
+A light module: the command line builds its flags from it without loading the network stack.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+from pydantic.dataclasses import dataclass
+
+from tscale_p2p.settings import SECTION_CONFIG, option
+
+
+@dataclass(config=SECTION_CONFIG)
+class SwarmSettings:
+    """This peer in the swarm (a new run's settings are adopted by its joiners)."""
+
+    name: str | None = option(None, "the name other peers see (default: peer-<id suffix>)", metavar="PUBLIC_NAME")
+    inner_steps: int | None = option(None, "local steps between averaging rounds (a new run's setting; default 200)",
+                                     metavar="H", ge=1)
+    outer_lr: float | None = option(None, "outer Nesterov SGD learning rate (new run; 1.0)", metavar="LR", gt=0)
+    outer_momentum: float | None = option(None, "outer Nesterov momentum (new run; 0.7)", metavar="M", ge=0, lt=1)
+    max_steps: int | None = option(None, "stop after N local steps (for scripts)", metavar="N", ge=1)
+    init_from: str | None = option(
+        None, "start from a checkpoint of another run (e.g. `tscale-peer train`'s step-* folder, or its --out for the "
+        "newest): its weights, optimizer state and step; a new run takes its model. Ignored when --out already "
+        "holds this peer's own checkpoint", metavar="CHECKPOINT")
+    min_peers: int = option(1, "wait until N peers (this one included) are online before training (for scripts)",
+                            metavar="N", ge=1)
+    matchmaking_time: float = option(5.0, "seconds a round waits to gather peers", metavar="S", gt=0)
+    averaging_timeout: float = option(
+        30.0, "a round that finds no group in S seconds is applied alone (default: 30; with no other peer training, "
+        "after two matchmaking windows)", metavar="S", gt=0)
+    codec: Literal["sign", "topk"] | None = option(
+        None, "how averaging rounds compress updates (a new run's setting; joiners adopt the run's): sign (1 bit a "
+        "value) or topk (each 4096 values' 64 largest out, 256 back; ~0.2 and ~0.8 bits a value) (default: sign)")
+    error_feedback: Literal["off", "damped", "full"] | None = option(
+        None, "what a compressed update could not carry: 'off' drops it, 'full' (the flag alone) adds it to the next "
+        "round's, 'damped' adds half of it (default: damped for sign, full for topk)", const="full")
+    threads: int | None = option(
+        None, "CPU threads for this peer's tensor math (CPU training, offloaded optimizer, packing updates). Default: "
+        "$OMP_NUM_THREADS if set, else this machine's cores divided by the join peers running on it (peers that "
+        "each use every core starve one another)", metavar="N", ge=1)
+    tui: bool = option(True, "the dashboard (--no-tui: plain log lines)")
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _public_name(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        from tscale_p2p.peers.metrics import check_public_name  # loads hivemind: only for a name to check
+
+        return check_public_name(value)
