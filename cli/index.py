@@ -1,9 +1,33 @@
-"""`tscale-peer index build`: its flags, and the build with a clean Ctrl+C."""
+"""`tscale-peer index build`: its settings, and the build with a clean Ctrl+C."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from pydantic.dataclasses import dataclass
+
+from tscale_p2p.cli.options import Command
+from tscale_p2p.config import DataSettings, RunSettings
+from tscale_p2p.errors import UserError
+from tscale_p2p.settings import SECTION_CONFIG, option, section_fields
+
+
+@dataclass(config=SECTION_CONFIG)
+class IndexSettings:
+    """Where the index goes."""
+
+    out: str | None = option(None, "a new (or empty) folder for the index (required)", metavar="DIR")
+
+
+# Training's own fields for what the index must share with the model that reads it: the data, its tokenizer and
+# the seed a bpe:VOCAB is trained with.
+TAKEN = {"data": ("data", "tokenizer"), "run": ("seed",)}
+INDEX_BUILD = Command(
+    (("data", DataSettings), ("run", RunSettings), ("index", IndexSettings)),
+    skip=frozenset(f"{table}.{name}" for table, cls in (("data", DataSettings), ("run", RunSettings))
+                   for name in section_fields(cls) if name not in TAKEN[table]),
+)
 
 
 def add_index_parser(commands) -> None:
@@ -20,14 +44,10 @@ def add_index_parser(commands) -> None:
         help="index the train split of --data",
         description="Index the train split of --data (the same split `train --data` trains on), with the "
         "history-only answers of every position precomputed for training. Pass the folder to "
-        "train/join/infer/serve with --index DIR.",
+        "train/join/infer/serve with --index DIR. The index serves only a model trained with the same tokens: give "
+        "the --tokenizer the model trains with (byte when left out, as for `train --index`).",
     )
-    build.add_argument("--data", default="stdlib", help="the training data, as for train --data (default: stdlib)")
-    build.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder for the index")
-    build.add_argument("--tokenizer", metavar="SPEC",
-                       help="as for train --tokenizer: byte (default), bpe:VOCAB or a tokenizer.json; the index serves "
-                       "only a model trained with the same tokens")
-    build.add_argument("--seed", type=int, default=0, help="as for train --seed: bpe:VOCAB's training (default: 0)")
+    INDEX_BUILD.add_flags(build)
     build.set_defaults(handler=run_index_build)
 
 
@@ -37,9 +57,13 @@ def run_index_build(args: argparse.Namespace) -> int:
 
     from tscale_p2p.tokenizer import apply_tokenizer
 
-    corpus = apply_tokenizer(load_corpus(args.data), args.tokenizer, seed=args.seed)
+    loaded = INDEX_BUILD.load(args)
+    data, out = loaded["data"], loaded["index"].out
+    if out is None:
+        raise UserError("give --out DIR, a new (or empty) folder for the index")
+    corpus = apply_tokenizer(load_corpus(data.data), data.tokenizer, seed=loaded["run"].seed)
     try:
-        build_index(corpus, args.out)  # logs where the index went
+        build_index(corpus, out)  # logs where the index went
     except KeyboardInterrupt:
         print("tscale-peer: interrupted; no index written", file=sys.stderr)
         return 130

@@ -254,6 +254,27 @@ def test_an_index_serves_the_tokenizer_it_was_built_with(corpus, tmp_path, capsy
             "is tokenized by byte")
 
 
+def test_index_build_takes_its_settings_from_a_config_file(corpus, tmp_path):
+    config, out = tmp_path / "index.toml", tmp_path / "bpe"
+    config.write_text(f'[data]\ndata = "{corpus}"\ntokenizer = "bpe:300"\n[run]\nseed = 3\n[index]\nout = "{out}"\n')
+    assert main(["index", "build", "--config", str(config)]) == 0
+    assert json.loads((out / "index.json").read_text())["tokenizer"].startswith("bpe-")
+
+
+@pytest.mark.parametrize("body, flags, fragment", [
+    ("[index]\nout = 3\n", [], "key 'out' in config file"),
+    ("[data]\nbatch-size = 4\n", ["--out", "x"], "unknown key 'batch-size' in [data]"),  # training's only
+    ("[run]\nseed = -1\n", ["--out", "x"], "must not be negative, got -1"),
+    ("", ["--seed", "-1", "--out", "x"], "--seed must not be negative, got -1"),
+    ("", [], "give --out DIR"),
+])
+def test_a_bad_index_build_setting_is_one_line(body, flags, fragment, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.toml").write_text(body)
+    refused(["index", "build", "--config", str(tmp_path / "bad.toml"), *flags], capsys, fragment)
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("damage, fragment", [
     ("truncate", "suffixes.bin holds"),
     ("manifest", "cannot read index.json"),
