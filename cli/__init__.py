@@ -15,7 +15,7 @@ from tscale_p2p import __version__
 from tscale_p2p.config import TRAIN_SECTIONS, TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.cli.generate import add_infer_parser, add_serve_parser
-from tscale_p2p.cli.launch import add_launch_flags, check_launch_flags, launch, launch_flags_given
+from tscale_p2p.cli.launch import LaunchSettings, launch, launch_flags_given
 from tscale_p2p.cli.index import add_index_parser
 from tscale_p2p.cli.options import Command, Loaded
 
@@ -28,7 +28,7 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
 
 
-TRAIN = Command(tuple(TRAIN_SECTIONS.items()))
+TRAIN = Command((*TRAIN_SECTIONS.items(), ("launch", LaunchSettings)))
 
 
 def train_config(loaded: Loaded) -> TrainConfig:
@@ -53,7 +53,6 @@ def build_parser() -> ArgumentParser:
         "Python standard library's own source code, which every install has.",
     )
     TRAIN.add_flags(train)
-    add_launch_flags(train)
     train.set_defaults(handler=run_train)
 
     from tscale_p2p.cli.dashboard import add_dashboard_parser
@@ -74,13 +73,17 @@ def run_train(args: argparse.Namespace) -> int:
     from tscale_p2p.solo import train_solo
     from tscale_p2p.device import resolve_device
 
-    cfg = train_config(TRAIN.load(args))
     env = RankEnvironment.from_environ()
-    if launch_flags_given(args):
-        if env is not None:
-            raise UserError("--nproc-per-node starts ranks itself: drop it when running under torchrun")
-        check_sync_config(cfg, check_launch_flags(args), resolve_device(cfg.device).type)
-        return launch(args, args.argv)
+    if env is not None and launch_flags_given(args):
+        raise UserError("--nproc-per-node starts ranks itself: drop it when running under torchrun")
+    # Under torchrun the config file's [launch] table is left out: the launcher hands its ranks its command line
+    # without its own flags (`rank_argv`) but with the same --config file, and ranks that read [launch] from it
+    # would each launch ranks of their own.
+    loaded = TRAIN.load(args, ignore=("launch",) if env is not None else ())
+    cfg, launcher = train_config(loaded), loaded["launch"]
+    if launcher.starts_ranks:
+        check_sync_config(cfg, launcher.world_size, resolve_device(cfg.device).type)
+        return launch(launcher, args.argv, args.verbose)
     if env is not None:
         return train_data_parallel(cfg, env)
     check_sync_config(cfg, 1, "cpu")

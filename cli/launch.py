@@ -2,7 +2,8 @@
 
 This is `torchrun` (`torch.distributed.run`) called in-process with this command as its module: N ranks on this
 host, or with `--nnodes` and `--rdzv-endpoint` one host of a multi-host run (torchrun's c10d rendezvous, which
-the first host to start serves on the endpoint's port). The ranks get every other flag as given.
+the first host to start serves on the endpoint's port). The ranks get every other flag as given, and the same
+--config file (whose [launch] table they leave out).
 
 Each rank runs in a session of its own (torchrun's choice), so a Ctrl+C reaches only this launcher, which passes
 it on to every rank once: they stop after the same step and rank 0 saves. A rank that fails makes torchrun stop
@@ -18,7 +19,12 @@ import re
 import signal
 import sys
 
+import pydantic
+from pydantic.dataclasses import dataclass
+
+from tscale_p2p.cli.options import add_section_flags
 from tscale_p2p.errors import UserError
+from tscale_p2p.settings import SECTION_CONFIG, option, section_fields
 
 log = logging.getLogger(__name__)
 
@@ -26,35 +32,49 @@ DEFAULT_RDZV_PORT = 29400  # torchrun's
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
 
-def add_launch_flags(parser: argparse.ArgumentParser) -> None:
-    """The launcher's flags on `train` (kept out of TrainConfig: they choose processes, not training)."""
-    group = parser.add_argument_group("data-parallel launch (or start `train` under torchrun)")
-    group.add_argument("--nproc-per-node", type=int, metavar="N",
-                       help="start N data-parallel ranks on this host through torch.distributed.run (torchrun)")
-    group.add_argument("--nnodes", type=int, metavar="N",
-                       help="hosts in the run, each started with the same command (default: 1; needs --rdzv-endpoint)")
-    group.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                       help=f"multi-host rendezvous address, the same on every host (port default: {DEFAULT_RDZV_PORT})")
+@dataclass(config=SECTION_CONFIG)
+class LaunchSettings:
+    """Data-parallel launch (or start `train` under torchrun).
+
+    Kept out of TrainConfig: they choose processes, not training."""
+
+    nproc_per_node: int | None = option(
+        None, "start N data-parallel ranks on this host through torch.distributed.run (torchrun)", metavar="N", ge=1)
+    nnodes: int | None = option(
+        None, "hosts in the run, each started with the same command (default: 1; needs --rdzv-endpoint)",
+        metavar="N", ge=1)
+    rdzv_endpoint: str | None = option(
+        None, f"multi-host rendezvous address, the same on every host (port default: {DEFAULT_RDZV_PORT})",
+        metavar="HOST:PORT")
+
+    @pydantic.field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_endpoint(value)
+        return value
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node is None and (self.nnodes is not None or self.rdzv_endpoint is not None):
+            raise UserError("--nnodes and --rdzv-endpoint start ranks: add --nproc-per-node N (ranks on this host)")
+        if self.hosts > 1 and self.rdzv_endpoint is None:
+            raise UserError(f"--nnodes {self.hosts} needs --rdzv-endpoint HOST:PORT, where the hosts meet")
+
+    @property
+    def starts_ranks(self) -> bool:
+        return self.nproc_per_node is not None
+
+    @property
+    def hosts(self) -> int:
+        return 1 if self.nnodes is None else self.nnodes
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.nproc_per_node
 
 
 def launch_flags_given(args: argparse.Namespace) -> bool:
-    return any(getattr(args, name, None) is not None for name in ("nproc_per_node", "nnodes", "rdzv_endpoint"))
-
-
-def check_launch_flags(args: argparse.Namespace) -> int:
-    """Validate the launcher's flags; returns the world size they describe."""
-    if args.nproc_per_node is None:
-        raise UserError("--nnodes and --rdzv-endpoint start ranks: add --nproc-per-node N (ranks on this host)")
-    if args.nproc_per_node < 1:
-        raise UserError(f"nproc-per-node must be at least 1, got {args.nproc_per_node}")
-    nnodes = 1 if args.nnodes is None else args.nnodes
-    if nnodes < 1:
-        raise UserError(f"nnodes must be at least 1, got {nnodes}")
-    if nnodes > 1 and args.rdzv_endpoint is None:
-        raise UserError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, where the hosts meet")
-    if args.rdzv_endpoint is not None:
-        parse_endpoint(args.rdzv_endpoint)
-    return nnodes * args.nproc_per_node
+    return any(hasattr(args, name) for name in section_fields(LaunchSettings))  # only a flag given is set
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -78,25 +98,24 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 def rank_argv(argv: list[str]) -> list[str]:
     """The command line every rank gets: this one without the launcher's own flags."""
     launcher = argparse.ArgumentParser(add_help=False)
-    add_launch_flags(launcher)
+    add_section_flags(launcher, "launch", LaunchSettings, section_fields(LaunchSettings))
     _, rest = launcher.parse_known_args(argv)
     return rest
 
 
-def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start the ranks (flags already validated, training config checked); returns the exit code."""
+def launch(settings: LaunchSettings, argv: list[str], verbose: bool = False) -> int:
+    """Start the ranks (training config checked); returns the exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    nnodes = 1 if args.nnodes is None else args.nnodes
-    torchrun = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(nnodes)]
-    if args.rdzv_endpoint is None:
+    torchrun = ["--nproc-per-node", str(settings.nproc_per_node), "--nnodes", str(settings.hosts)]
+    if settings.rdzv_endpoint is None:
         torchrun.append("--standalone")  # a free local port for the rendezvous
     else:
-        torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", "tscale-peer"]
+        torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", settings.rdzv_endpoint, "--rdzv-id", "tscale-peer"]
     torchrun += ["--monitor-interval", "0.5", "--module", "tscale_p2p.cli", *rank_argv(argv)]
-    if not args.verbose:  # torchrun's agent logs every start and stop as warnings; the ranks say what matters
+    if not verbose:  # torchrun's agent logs every start and stop as warnings; the ranks say what matters
         for name in ("torch.distributed.elastic", "torch.distributed.run"):
             logging.getLogger(name).setLevel(logging.ERROR)
     try:

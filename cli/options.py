@@ -83,8 +83,10 @@ class ConfigFile(TomlConfigSettingsSource):
     """A `--config` TOML file: a table per section (`[optim]`, `[network]`...), or keys at the top level (the
     flags' names, with dashes or underscores), as long as a key names one setting of the command."""
 
-    def __init__(self, settings_cls: type[CommandSettings], path: str, skip: typing.Collection[str] = ()) -> None:
-        """`skip`: the "table.field" names the command leaves out."""
+    def __init__(self, settings_cls: type[CommandSettings], path: str, skip: typing.Collection[str] = (),
+                 ignore: typing.Collection[str] = ()) -> None:
+        """`skip`: the "table.field" names the command leaves out; `ignore`: the tables whose keys are checked
+        but not used."""
         self.path = path
         if not Path(path).is_file():
             raise UserError(f"config file {path!r} does not exist" if not Path(path).exists()
@@ -114,6 +116,8 @@ class ConfigFile(TomlConfigSettingsSource):
                 self.keys.add(name)
             else:
                 raise UserError(f"unknown key {key!r} in config file {path!r}")
+        for table in ignore:
+            self.keys -= set(routed.pop(table, {}))
         self.init_kwargs = routed
 
 
@@ -136,8 +140,10 @@ class Command:
             summary = cls.__doc__.splitlines()[0].rstrip(".")
             add_section_flags(parser, f"{name}: {summary[0].lower()}{summary[1:]}", cls, self.fields(name, cls))
 
-    def load(self, args: argparse.Namespace) -> "Loaded":
-        """The sections' values (defaults < --config file < flags), checked; UserError naming a bad one."""
+    def load(self, args: argparse.Namespace, ignore: typing.Collection[str] = ()) -> "Loaded":
+        """The sections' values (defaults < --config file < flags), checked; UserError naming a bad one. The
+        file's tables named in `ignore` are checked for unknown keys, then left out: their sections get flags and
+        defaults only."""
         settings_cls = pydantic.create_model(
             "Settings", __base__=CommandSettings,
             **{name: (cls, pydantic.Field(default_factory=cls)) for name, cls in self.sections},
@@ -146,7 +152,7 @@ class Command:
                  for name, cls in self.sections}
         given = {key for values in flags.values() for key in values}
         config_path = getattr(args, "config", None)
-        config_file = ConfigFile(settings_cls, config_path, self.skip) if config_path else None
+        config_file = ConfigFile(settings_cls, config_path, self.skip, ignore) if config_path else None
         token = _config_file.set(config_file)
         try:
             settings = settings_cls(**{name: values for name, values in flags.items() if values})

@@ -13,15 +13,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from tscale_p2p.cli import TRAIN, train_config
+from tscale_p2p.cli import train_config
 from tscale_p2p.cli.network import LISTENING, NetworkSettings
 from tscale_p2p.cli.options import Command, Loaded
+from tscale_p2p.config import TRAIN_SECTIONS
 from tscale_p2p.peers.settings import SwarmSettings
 
 
 # join resumes whenever OUT has a checkpoint; the data-parallel settings belong to `train`
 JOIN = Command((("network", NetworkSettings), ("swarm", SwarmSettings),
-                *((name, cls) for name, cls in TRAIN.sections if name != "sync")), skip=frozenset({"run.resume"}))
+                *((name, cls) for name, cls in TRAIN_SECTIONS.items() if name != "sync")),
+               skip=frozenset({"run.resume"}))
 WATCH = Command((("network", NetworkSettings),), skip=LISTENING)  # peers and dashboard: dial out, read the swarm
 
 

@@ -79,7 +79,12 @@ def test_environment_variables_are_not_settings(tmp_path, monkeypatch):
     ("train", "[model]\nlr = 1\n", "it belongs in [optim]"),
     ("train", "[optim]\nsteps = 0\n", "key 'steps' in config file"),
     ("train", "[device]\nprecision = 'fp4'\n", "precision' in config file"),
+    ("train", "[launch]\nnproc-per-node = 0\n", "key 'nproc_per_node' in config file"),
+    ("train", '[launch]\nnproc-per-node = 2\nnnodes = 2\nrdzv-endpoint = "10.0.0.1:99999"\n',
+     "rdzv-endpoint '10.0.0.1:99999' is not HOST:PORT"),
+    ("train", "[launch]\nnnodes = 2\n", "add --nproc-per-node"),
     ("join", "[sync]\nsync-timeout = 5\n", "unknown key 'sync'"),  # a section join does not take
+    ("join", "[launch]\nnproc-per-node = 2\n", "unknown key 'launch'"),
     ("join", "[swarm]\ninner-steps = 0\n", "must be at least 1, got 0"),
     ("join", '[swarm]\nname = "tab\\there"\n', "--name must be at most 64 printable characters"),  # TOML's tab
     ("peers", '[network]\ninitial-peers = ["garbage"]\n', "is not a valid multiaddr"),

@@ -3,6 +3,7 @@ stop signals, a killed rank, resume on another world size, and the flags it must
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -216,3 +217,30 @@ def test_nproc_per_node_under_torchrun_is_refused(corpus, tmp_path, capsys, monk
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["train", "--data", str(corpus), "--out", str(tmp_path / "run"), *TINY, "--nproc-per-node", "2"]) == 2
     assert "drop it when running under torchrun" in capsys.readouterr().err
+
+
+def test_a_launch_table_in_the_config_file_does_not_launch_again_under_torchrun(corpus, tmp_path, caplog, monkeypatch):
+    """The launcher hands its ranks the same --config file: a rank that read its [launch] table would launch ranks
+    of its own. A rank of a one-rank job here, in this process. --offload, which works at world size 1 only, makes a
+    rank that would launch 2 ranks fail at once instead: ranks launching ranks would multiply without end."""
+    rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+    for name, value in rank.items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "run.toml").write_text('[launch]\nnproc-per-node = 2\n[device]\noffload = "optimizer"\n')
+    caplog.set_level(logging.INFO, logger="tscale_p2p")
+    assert main(["train", "--config", str(tmp_path / "run.toml"), "--data", str(corpus), "--out", str(tmp_path / "run"),
+                 "--steps", "2", "--eval-every", "0", *TINY]) == 0
+    assert "data-parallel: 1 ranks" in caplog.text
+    assert load_checkpoint(find_latest(tmp_path / "run")).step == 2
+
+
+@pytest.mark.slow
+def test_the_launcher_takes_its_settings_from_the_config_file_and_its_ranks_train(corpus, tmp_path, jobs):
+    (tmp_path / "run.toml").write_text("[launch]\nnproc-per-node = 2\n[optim]\nsteps = 4\n")
+    job = Job(tmp_path, "train", "--config", "run.toml", "--data", str(corpus), "--out", "run", "--eval-every", "0",
+              *TINY)
+    jobs.append(job)
+    assert job.wait(240) == 0, job.err()[-3000:]
+    assert "data-parallel: 2 ranks" in job.err()
+    assert load_checkpoint(find_latest(tmp_path / "run")).step == 4
