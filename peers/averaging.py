@@ -1038,21 +1038,20 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
 
     def _check_reply_norm(self, averaged: torch.Tensor, sent_norm: float) -> None:
-        """Refuse an average that cannot be the robust aggregate of a group that includes our part.
+        """Refuse an average that cannot be the robust aggregate of a group that includes our part: one longer
+        than REPLY_NORM_RATIO times our part, times the median groupmate's tokens over ours where that is more.
 
-        Where our tokens count (at least half the median groupmate's): longer than REPLY_NORM_RATIO times our
-        part (times the median's tokens over ours). With fewer tokens (a peer just past a state download, a few
-        steps into its round) our part is too small to judge by: only the loose bound of contributions applies
-        (`max_norm_ratio`), and the group's resync repairs what a lying reducer did to such a peer.
+        The token allowance is what lets a peer just past a state download, a few steps into its round, accept
+        the group's average of whole rounds. A looser bound for such a peer (the contributions' `max_norm_ratio`)
+        let a reducer's 50x answer through to exactly the peers that had just resynced after its last lie.
         """
         if sent_norm == 0:
             return
         allowance = max(1.0, self.median_tokens / self.weight) if self.weight > 0 else 1.0
-        ratio = REPLY_NORM_RATIO if self.weight >= self.median_tokens / 2 else self.max_norm_ratio
         norm = float(averaged.norm())
-        if norm > ratio * allowance * sent_norm:
-            raise InvalidContributionError(f"average norm {norm:.3g} is over {ratio:g} x {allowance:.3g} x our "
-                                           f"part's {sent_norm:.3g}")
+        if norm > REPLY_NORM_RATIO * allowance * sent_norm:
+            raise InvalidContributionError(f"average norm {norm:.3g} is over {REPLY_NORM_RATIO:g} x {allowance:.3g} "
+                                           f"x our part's {sent_norm:.3g}")
 
     async def _count_outgoing(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         sent = self._sent_parts.setdefault(peer_index, [])

@@ -214,6 +214,22 @@ def test_a_reducer_answering_minus_50x_loses_its_span_and_is_banned():
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_a_peer_a_few_steps_into_its_round_refuses_a_50x_answer_too():
+    """Just past a state download a peer's part is small next to the group's average, and too small to judge
+    an answer's direction by; the bound scaled by its tokens still refuses a reducer's 50x answer."""
+    kinds = [SwarmAverager] * 3 + [LyingReducer]
+    tokens = [100.0, 1000.0, 1000.0, 1000.0]
+    with swarm([OneBitCodec() for _ in range(4)], averager_type=kinds) as averagers:
+        grads = grads_of_round(0, 4)
+        grads[0] = [g * 0.1 for g in grads[0]]
+        for outcome in play(averagers, grads, tokens, group_size=4)[:3]:
+            got = flat(outcome.averaged)
+            assert outcome.dropped_peers == 1 and bool(torch.isfinite(got).all())
+            assert 0.1 < float((got == 0).float().mean()) < 0.5  # the liar's span, refused
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_reducer_answering_minus_the_average_loses_its_span_without_a_strike():
     """An average of the right length pointing away from every sender's part is refused (its span stays zero),
     but earns no strike: a peer out of step with the group can honestly point away from a sender's part."""
