@@ -22,7 +22,7 @@ import torch
 
 from swarm_convergence import trainer_for
 from swarm_return_trip import onebit
-from tscale_p2p.peers.join import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
+from tscale_p2p.peers.settings import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.codec import BLOCK_SIZE
 

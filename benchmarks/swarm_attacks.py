@@ -160,7 +160,7 @@ def main() -> None:
     if args.aggregation_timing:
         aggregation_timing()
         return
-    from tscale_p2p.peers.join import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
+    from tscale_p2p.peers.settings import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 
     # What swarm_convergence's helpers read (its val_loss builds the trainer join builds from these flags).
     model_args = SimpleNamespace(data=args.data, model=args.model, device="cpu", from_step=0, steps=args.steps,

@@ -50,7 +50,8 @@ from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.codec import CODECS
-from tscale_p2p.peers.join import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, ERROR_FEEDBACK_CARRY, initial_weights
+from tscale_p2p.peers.join import initial_weights
+from tscale_p2p.peers.settings import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, ERROR_FEEDBACK_CARRY
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
 from tscale_p2p.trainer import Trainer

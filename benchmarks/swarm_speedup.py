@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from swarm_convergence import add_run_arguments, diloco_in_process, trainer_for, val_loss
-from tscale_p2p.peers.join import DEFAULT_ERROR_FEEDBACK, ERROR_FEEDBACK_CARRY
+from tscale_p2p.peers.settings import DEFAULT_ERROR_FEEDBACK, ERROR_FEEDBACK_CARRY
 
 # benchmarks/RESULTS.md, "Swarm rounds and busy time": 4 peers on 100 Mbit/s, 40 ms RTT links, rounds of 0.7-1.1 s
 MEASURED_ROUND_S = 0.9

@@ -51,7 +51,15 @@ from tscale_p2p.peers.run_config import (
     save_run_config,
 )
 from tscale_p2p.peers.run_tokenizer import check_explicit_tokenizer, run_tokenizer_spec, save_run_tokenizer
-from tscale_p2p.peers.settings import SwarmSettings
+from tscale_p2p.peers.settings import (
+    DEFAULT_CODEC,
+    DEFAULT_ERROR_FEEDBACK,
+    DEFAULT_INNER_STEPS,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    ERROR_FEEDBACK_CARRY,
+    SwarmSettings,
+)
 from tscale_p2p.peers.state_download import StateCheck, state_offer_record
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
@@ -62,20 +70,6 @@ from tscale_p2p.device import resolve_device
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INNER_STEPS = 200  # ~3000x less traffic than a per-step bf16 gradient all-reduce (benchmarks/RESULTS.md)
-# Not DiLoCo's 0.7 and 0.9: a swarm makes tens of outer steps, not thousands, and a momentum that remembers ~3
-# rounds instead of ~10 measured 5 points closer to one-process training at 12 rounds, at H=100 and H=200, with a
-# smaller effective outer step (lr / (1 - momentum): 3.3 against 7) (benchmarks/RESULTS.md).
-DEFAULT_OUTER_LR = 1.0
-DEFAULT_OUTER_MOMENTUM = 0.7
-# The share of its 1-bit residual a peer carries into its next round, per --error-feedback (None: no residual).
-# Full feedback cost 1-3 points of val loss from a cold start and won up to 0.9 later in a run on the H200;
-# half of it was level with none from a cold start and the best of the three later in a run (benchmarks/RESULTS.md).
-ERROR_FEEDBACK_CARRY = {"off": None, "damped": 0.5, "full": 1.0}
-# --error-feedback left out: per codec. A top-k message carries a few percent of the values, so without full
-# feedback most of an update would never be sent.
-DEFAULT_ERROR_FEEDBACK = {"sign": "damped", "topk": "full"}
-DEFAULT_CODEC = "sign"
 STATE_DOWNLOAD_ATTEMPTS = 3
 INTERRUPTED = "tscale-peer: interrupted; the last checkpoint written stays valid"
 

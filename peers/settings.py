@@ -13,16 +13,35 @@ from pydantic.dataclasses import dataclass
 
 from tscale_p2p.settings import SECTION_CONFIG, option
 
+# A new run's settings where its founder gives none (joiners adopt the run's).
+DEFAULT_INNER_STEPS = 200  # ~3000x less traffic than a per-step bf16 gradient all-reduce (benchmarks/RESULTS.md)
+# Not DiLoCo's 0.7 and 0.9: a swarm makes tens of outer steps, not thousands, and a momentum that remembers ~3
+# rounds instead of ~10 measured 5 points closer to one-process training at 12 rounds, at H=100 and H=200, with a
+# smaller effective outer step (lr / (1 - momentum): 3.3 against 7) (benchmarks/RESULTS.md).
+DEFAULT_OUTER_LR = 1.0
+DEFAULT_OUTER_MOMENTUM = 0.7
+# The share of its 1-bit residual a peer carries into its next round, per --error-feedback (None: no residual).
+# Full feedback cost 1-3 points of val loss from a cold start and won up to 0.9 later in a run on the H200;
+# half of it was level with none from a cold start and the best of the three later in a run (benchmarks/RESULTS.md).
+ERROR_FEEDBACK_CARRY = {"off": None, "damped": 0.5, "full": 1.0}
+# --error-feedback left out: per codec. A top-k message carries a few percent of the values, so without full
+# feedback most of an update would never be sent.
+DEFAULT_ERROR_FEEDBACK = {"sign": "damped", "topk": "full"}
+DEFAULT_CODEC = "sign"
+
 
 @dataclass(config=SECTION_CONFIG)
 class SwarmSettings:
     """This peer in the swarm (a new run's settings are adopted by its joiners)."""
 
     name: str | None = option(None, "the name other peers see (default: peer-<id suffix>)", metavar="PUBLIC_NAME")
-    inner_steps: int | None = option(None, "local steps between averaging rounds (a new run's setting; default 200)",
-                                     metavar="H", ge=1)
-    outer_lr: float | None = option(None, "outer Nesterov SGD learning rate (new run; 1.0)", metavar="LR", gt=0)
-    outer_momentum: float | None = option(None, "outer Nesterov momentum (new run; 0.7)", metavar="M", ge=0, lt=1)
+    inner_steps: int | None = option(
+        None, f"local steps between averaging rounds (a new run's setting; default {DEFAULT_INNER_STEPS})",
+        metavar="H", ge=1)
+    outer_lr: float | None = option(None, f"outer Nesterov SGD learning rate (new run; {DEFAULT_OUTER_LR})",
+                                    metavar="LR", gt=0)
+    outer_momentum: float | None = option(None, f"outer Nesterov momentum (new run; {DEFAULT_OUTER_MOMENTUM})",
+                                          metavar="M", ge=0, lt=1)
     max_steps: int | None = option(None, "stop after N local steps (for scripts)", metavar="N", ge=1)
     init_from: str | None = option(
         None, "start from a checkpoint of another run (e.g. `tscale-peer train`'s step-* folder, or its --out for the "
@@ -36,10 +55,12 @@ class SwarmSettings:
         "after two matchmaking windows)", metavar="S", gt=0)
     codec: Literal["sign", "topk"] | None = option(
         None, "how averaging rounds compress updates (a new run's setting; joiners adopt the run's): sign (1 bit a "
-        "value) or topk (each 4096 values' 64 largest out, 256 back; ~0.2 and ~0.8 bits a value) (default: sign)")
+        "value) or topk (each 4096 values' 64 largest out, 256 back; ~0.2 and ~0.8 bits a value) "
+        f"(default: {DEFAULT_CODEC})")
     error_feedback: Literal["off", "damped", "full"] | None = option(
         None, "what a compressed update could not carry: 'off' drops it, 'full' (the flag alone) adds it to the next "
-        "round's, 'damped' adds half of it (default: damped for sign, full for topk)", const="full")
+        "round's, 'damped' adds half of it (default: "
+        + ", ".join(f"{mode} for {codec}" for codec, mode in DEFAULT_ERROR_FEEDBACK.items()) + ")", const="full")
     threads: int | None = option(
         None, "CPU threads for this peer's tensor math (CPU training, offloaded optimizer, packing updates). Default: "
         "$OMP_NUM_THREADS if set, else this machine's cores divided by the join peers running on it (peers that "
