@@ -20,9 +20,13 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    Optionally (`reducer_error_feedback=True`) the reducer keeps what did not fit in a residual for that span
    and adds it next time; measured, that hurt convergence, so it is off by default (benchmarks/RESULTS.md).
 
+4. **Agree on the spans.** Each peer then sends its groupmates a digest of every span's average it took, and
+   drops a span a groupmate got otherwise (peers/span_agreement.py): a reducer that lies to some groupmates
+   and tells others the truth loses its span on all of them alike, instead of splitting their weights.
+
 A span whose reducer fails or sends something invalid contributes zero for that round (identically on every
-peer that lost it) and what each sender sent for it goes back into its residual; if the whole round fails,
-the sender's residual is rolled back. Either way nothing a sender owes is lost, only delayed.
+peer of the group, through the digests) and what each sender sent for it goes back into its residual; if the
+whole round fails, the sender's residual is rolled back. Either way nothing a sender owes is lost, only delayed.
 
 Groupmates whose parts or averages were refused are counted in a `PeerReputation` (peers/reputation.py); one
 refused in two rounds is banned for the run: its parts are ignored, its span is not asked for, and this peer
@@ -69,7 +73,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
-from hivemind.averaging.allreduce import AllreduceException
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import BannedException, TensorPartReducer
@@ -91,6 +95,7 @@ from tscale_p2p.peers.hivemind_seam import (
 )
 from tscale_p2p.peers.reputation import PeerReputation
 from tscale_p2p.peers.robust import high_median, robust_aggregate
+from tscale_p2p.peers.span_agreement import NO_AVERAGE, DigestInboxes, digest_message, disputed_spans, span_digest
 from tscale_p2p.peers.state_download import StateCheck, download_checked_state
 
 logger = logging.getLogger(__name__)
@@ -114,6 +119,12 @@ REPLY_NORM_RATIO = 10.0
 # average that holds our share (cosine ~ -0.5 in a group of three) is far beyond them.
 AGREEMENT_SIGMAS = 4.0
 
+# How long a peer whose all-reduce has ended waits for its groupmates' span digests (peers/span_agreement.py).
+# Groupmates end their all-reduces within moments of each other (each ends with the last reducer's answer), so
+# this bounds only the wait for one that left after sending its parts; the average is applied after it, while
+# training goes on.
+SPAN_AGREEMENT_TIMEOUT_S = 5.0
+
 _SENT, _RECEIVED, _VALUES_SENT, _VALUES_RECEIVED = 0, 1, 2, 3  # the averager's traffic counters
 
 
@@ -135,7 +146,8 @@ class RoundOutcome:
     error: Optional[str] = None  # why the round failed, when it did
     group_metadata: tuple = ()  # what every group member (this one included) passed as start_round's `metadata`
     # groupmates lost to this peer in the round: senders whose contribution its span refused or that went
-    # silent, and reducers that failed, timed out or answered invalid averages for its own parts
+    # silent, and reducers that failed, timed out or answered invalid averages for its own parts, or whose span
+    # a groupmate got another average of
     dropped_peers: int = 0
     # values (tensor elements) carried by those bytes, both trips: as a sender its parts of the other spans, as a
     # reducer its span's average, once per groupmate; bits per value of one trip = 8 * bytes / values
@@ -367,6 +379,7 @@ class SwarmAverager(AveragerBase):
         self._outgoing: Optional[asyncio.Future] = None  # averager process: this round's packed pseudo-gradient
         self._step_finished = mp.Event()  # the averager process is done with the buffers of the last round
         self._step_finished.set()
+        self._digest_inboxes = DigestInboxes()  # used in the averager process only
 
         request_timeout = request_timeout if request_timeout is not None else min(3.0, matchmaking_time / 2)
         client_mode = kwargs.get("client_mode")
@@ -647,6 +660,7 @@ class SwarmAverager(AveragerBase):
             self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
         sent = await self._outgoing
         declared = self._declared(group_info)
+        self._digest_inboxes.open(group_id, group_info.peer_ids)  # a groupmate may end its all-reduce before us
         try:
             runner = self._make_runner(
                 group_tokens=[_declared_tokens(item) for item in declared],
@@ -665,20 +679,63 @@ class SwarmAverager(AveragerBase):
                 **kwargs,
             )
             self.register_runner(group_id, runner)
+            disputed: dict[PeerID, list[tuple[int, int]]] = {}
             try:
                 averaged = [tensor async for tensor in runner]
+                disputed = await self._agree_on_spans(runner, group_id)
             finally:
-                self._round_dropped.fill_(len(runner.dropped_peers))
+                self._round_dropped.fill_(len(runner.dropped_peers | set(disputed)))
                 self._record_rejections(runner)
         except BaseException:
             self._outgoing = None
             self._undo_error_feedback(sent)
             raise
+        finally:
+            self._digest_inboxes.close(group_id)
         self._outgoing = None
+        average = torch.cat([tensor.reshape(-1) for tensor in averaged])
+        lost_spans = [*runner.lost_spans, *(span for spans in disputed.values() for span in spans)]
+        for start, end in lost_spans:
+            average[start:end] = 0  # a disputed span falls back as a failed one does
         if self.residual_carry is not None:
-            self._keep_residual_owed(sent, runner.lost_spans)
-        for tensor, average in zip(tensors, averaged):
-            tensor.copy_(average)
+            self._keep_residual_owed(sent, lost_spans)
+        for tensor, part in zip(tensors, self._split(average)):
+            tensor.copy_(part)
+
+    async def _agree_on_spans(
+        self, runner: "_OneBitAllReduceRunner", group_id: bytes
+    ) -> dict[PeerID, list[tuple[int, int]]]:
+        """Exchange span digests with the groupmates (peers/span_agreement.py); return the spans we took an
+        average of that a groupmate got otherwise: reducer -> its span's [start, end) ranges, to drop."""
+        peers, mine = runner.ordered_peer_ids, runner.reply_digests
+        trusted = [peer for peer in peers if peer != runner.peer_id and peer not in runner.banned]
+        message = digest_message(group_id, mine)
+        for peer in trusted:
+            if runner.modes[peers.index(peer)] != AveragingMode.CLIENT:  # a client-mode peer takes no calls
+                asyncio.ensure_future(self._send_digests(peer, message))
+        expected = [] if self.client_mode else [peer for peer in trusted if peer not in runner.dropped_peers]
+        received = await self._digest_inboxes.wait(group_id, expected, SPAN_AGREEMENT_TIMEOUT_S)
+        dropped = {}
+        for index in sorted(disputed_spans(mine, {p: d for p, d in received.items() if p in trusted})):
+            if mine[index] == NO_AVERAGE:
+                continue  # lost here already
+            logger.info("dropping %s's span this round: a groupmate got another average of it", peers[index])
+            dropped[peers[index]] = runner.span_ranges(index)
+        return dropped
+
+    async def _send_digests(self, peer: PeerID, message: averaging_pb2.AveragingData) -> None:
+        try:
+            await type(self).get_stub(self.p2p, peer, namespace=self.prefix).rpc_span_digests(
+                message, timeout=SPAN_AGREEMENT_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001  (it left, or is slow: it then falls back on what it saw)
+            logger.debug("could not send span digests to %s: %r", peer, e)
+
+    async def rpc_span_digests(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        """A groupmate's digests of the spans of an all-reduce we are in (peers/span_agreement.py)."""
+        self._digest_inboxes.deliver(context.remote_id, request)
+        return averaging_pb2.AveragingData()
 
     def _make_runner(self, **kwargs) -> "_OneBitAllReduceRunner":
         """The all-reduce of one attempt (tests make attacking peers by overriding it)."""
@@ -872,6 +929,15 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         self._sent_parts: dict[int, list[tuple[torch.Size, float]]] = {}  # peer index -> (shape, norm) we sent
         self.lost_spans: list[tuple[int, int]] = []  # [start, end) in the flat vector of parts nobody averaged
         self._failed_reducers: set[PeerID] = set()
+        # per reducer (in ordered_peer_ids' order): the digest of the average we took of its span, for the
+        # group to compare (peers/span_agreement.py); NO_AVERAGE where we took none
+        self.reply_digests: list[bytes] = [NO_AVERAGE] * len(self.ordered_peer_ids)
+        # where each reducer's parts lie in the flat vector (taken now: the container forgets its parts when done)
+        self._span_ranges = [
+            [(part.storage_offset(), part.storage_offset() + part.numel())
+             for part in parts_sent_to(self.tensor_part_container, index)]
+            for index in range(len(self.ordered_peer_ids))
+        ]
 
     @property
     def dropped_peers(self) -> set[PeerID]:
@@ -982,17 +1048,23 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
                 self._failed_reducers.add(peer_id)
             # The parts this reducer never answered stay zero in the result; remember where they are.
             container = self.tensor_part_container
-            unanswered = parts_sent_to(container, peer_index)[outputs_registered(container, peer_index):]
-            self.lost_spans.extend((p.storage_offset(), p.storage_offset() + p.numel()) for p in unanswered)
+            self.lost_spans.extend(self.span_ranges(peer_index)[outputs_registered(container, peer_index):])
             container.register_failed_reducer(peer_index)
             raise
 
+    def span_ranges(self, peer_index: int) -> list[tuple[int, int]]:
+        """The [start, end) ranges, in the flat vector, of the parts of the span `peer_index` reduces."""
+        return self._span_ranges[peer_index]
+
     async def _reduce_own_parts(self, peer_index: int) -> None:
         sender_index = self.sender_peer_ids.index(self.peer_id)
+        buffers = []
         for part_index, part in enumerate(self.parts_for_local_averaging):
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, self.weight)
-            _, decoded = await self._reply_for(part_index, averaged)
+            message, decoded = await self._reply_for(part_index, averaged)
+            buffers.append(message.buffer)
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
+        self.reply_digests[peer_index] = span_digest(buffers)
 
     async def _exchange_with_reducer(self, peer_id: PeerID, peer_index: int) -> None:
         loop = asyncio.get_running_loop()
@@ -1002,7 +1074,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         if self.should_delay_results(self.peer_id):
             await done_sending.wait()
         sent_parts = parts_sent_to(self.tensor_part_container, peer_index)
-        answers = []  # the decoded averages
+        answers, buffers = [], []  # the decoded averages, and the bytes they came in
         agreement, sent_squared, answer_squared, span = 0.0, 0.0, 0.0, 0  # their dot product with what we sent
         async for message in aiter_with_timeout(stream, self.reducer_timeout):
             self.traffic[_RECEIVED] += message.ByteSize()
@@ -1025,6 +1097,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             answer_squared += float(averaged.norm()) ** 2
             span += sent.numel()
             answers.append(averaged)
+            buffers.append(message.tensor_part.buffer)
         if len(answers) != self.tensor_part_container.num_parts_by_peer[peer_index]:
             raise AllreduceException(f"{peer_id} answered {len(answers)} parts instead of all")
         noise = AGREEMENT_SIGMAS * math.sqrt(sent_squared * answer_squared / max(span, 1))
@@ -1036,6 +1109,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             raise AllreduceException(f"{peer_id}'s average points away from our part of its span")
         for part_index, averaged in enumerate(answers):  # only now: a span refused above is lost as a whole
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+        self.reply_digests[peer_index] = span_digest(buffers)
 
     def _check_reply_norm(self, averaged: torch.Tensor, sent_norm: float) -> None:
         """Refuse an average that cannot be the robust aggregate of a group that includes our part: one longer

@@ -21,6 +21,7 @@ from hivemind.averaging.partition import TensorPartReducer
 from hivemind.proto import averaging_pb2
 
 from tscale_p2p.peers.averaging import SwarmAverager, _OneBitAllReduceRunner
+from tscale_p2p.peers.span_agreement import DIGEST_BYTES, digest_message
 
 ALIE_Z = 1.0  # "A Little Is Enough": shift each coordinate by this many standard deviations of the honest ones
 
@@ -86,6 +87,33 @@ class TwoFacedReducer(LyingReducer):
 
 
 TwoFacedReducer.__name__ = "SwarmAverager"
+
+class DisputingPeer(SwarmAverager):
+    """Averages honestly, then tells every groupmate it got other averages of the spans `disputed` picks (of
+    the group size): by default all of them, to make its group drop every span."""
+
+    disputed: Callable[[int], range] = staticmethod(lambda group_size: range(group_size))
+
+    async def _agree_on_spans(self, runner, group_id):
+        disputed = self.disputed(len(runner.reply_digests))
+        forged = [b"\xff" * DIGEST_BYTES if i in disputed else d for i, d in enumerate(runner.reply_digests)]
+        for peer in runner.ordered_peer_ids:
+            if peer != runner.peer_id:
+                await self._send_digests(peer, digest_message(group_id, forged))
+        return {}
+
+
+DisputingPeer.__name__ = "SwarmAverager"
+
+
+class DisputingOnePeer(DisputingPeer):
+    """Disputes the first span only: the most a disputer can make its group drop."""
+
+    disputed = staticmethod(lambda group_size: range(1))
+
+
+DisputingOnePeer.__name__ = "SwarmAverager"
+
 
 class _MeanRunner(_OneBitAllReduceRunner):
     part_reducer_type = TensorPartReducer

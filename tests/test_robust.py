@@ -13,7 +13,7 @@ import torch
 from test_averaging import SHAPES, expected_first_round, onebit, relative_error, swarm
 from test_swarm import TINY, bootstrap_with_hivemind_dht, join_args, join_flags, shared_weights, spawn, text_file  # noqa: F401 (fixtures)
 
-from attacks import FlippingReducer, LyingReducer, TwoFacedReducer, alie
+from attacks import DisputingOnePeer, DisputingPeer, FlippingReducer, LyingReducer, TwoFacedReducer, alie
 from tscale_p2p.cli import main
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.codec import OneBitCodec
@@ -246,19 +246,42 @@ def test_a_reducer_answering_minus_the_average_loses_its_span_without_a_strike()
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_a_reducer_telling_peers_different_averages_is_banned_by_those_it_lied_to():
-    """The truth to one groupmate, 50x it to the others: those it lied to refuse its span and ban it; the one
-    it told the truth keeps the true average (nothing it can check tells it otherwise)."""
+def test_a_reducer_telling_peers_different_averages_loses_its_span_on_every_honest_peer():
+    """The truth to one groupmate, 50x it to the others: those it lied to refuse its span and ban it, and the one
+    it told the truth drops the span too once their digests differ from its own, so all three apply the very
+    same average. (The one told the truth cannot tell who lied, so it bans nobody.)"""
     kinds = [SwarmAverager] * 3 + [TwoFacedReducer]
     with swarm([OneBitCodec() for _ in range(4)], averager_type=kinds) as averagers:
         honest, liar = averagers[:3], averagers[3]
         for round_number in range(2):
             outcomes = play(averagers, grads_of_round(round_number, 4), [1000.0] * 4, group_size=4)[:3]
-            told_truth = [o for o in outcomes if o.dropped_peers == 0]
-            assert len(told_truth) == 1 and all(bool(torch.isfinite(flat(o.averaged)).all()) for o in outcomes)
+            got = [flat(o.averaged) for o in outcomes]
+            assert all(torch.equal(g, got[0]) for g in got) and bool(torch.isfinite(got[0]).all())
+            assert 0.1 < float((got[0] == 0).float().mean()) < 0.5  # the liar's span, about a quarter
+            assert all(o.dropped_peers == 1 for o in outcomes)
         truthful = min(honest, key=peer)
         assert truthful.banned_count == 0
         assert_banned_by_all([a for a in honest if a is not truthful], [liar])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("disputer, lost", [(DisputingPeer, 0), (DisputingOnePeer, 1)], ids=["all_spans", "one_span"])
+def test_a_groupmate_disputing_spans_costs_at_most_one_span_and_no_strike(disputer, lost):
+    """A groupmate claiming it got other averages of every span is not believed; one disputing a single span makes
+    every honest peer drop that span alike. Either way the honest peers apply the same average and strike nobody
+    (a digest proves nothing about who lied)."""
+    with swarm([OneBitCodec() for _ in range(4)], averager_type=[SwarmAverager] * 3 + [disputer]) as averagers:
+        grads = grads_of_round(0, 4)
+        outcomes = play(averagers, grads, [1000.0] * 4, group_size=4)[:3]
+        got = [flat(o.averaged) for o in outcomes]
+        assert all(torch.equal(g, got[0]) for g in got)
+        assert all(o.dropped_peers == lost for o in outcomes)
+        want = flat(expected_first_round(grads, [1000.0] * 4))
+        kept = got[0] != 0
+        assert relative(got[0][kept], want[kept]) < 1e-2
+        assert (0.1 < float((~kept).float().mean()) < 0.5) if lost else bool(kept.all())
+        assert all(averager.banned_count == 0 for averager in averagers[:3])
 
 
 @pytest.mark.slow
