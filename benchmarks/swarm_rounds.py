@@ -12,7 +12,9 @@ and lets them train until the founder's log shows `--rounds` rounds once all hav
 - partial: averaged with some of them;
 - alone: averaged with nobody (no group found, or the round failed);
 - lost: a groupmate was lost mid-round (its span of the average is missing);
-- resync: the peer found its global weights differ from its group's and downloaded the state again.
+- resync: the peer found its global weights differ from its group's and downloaded the state again;
+- round s: the median time of its rounds with others (all-reduce and the span digests after it);
+- b/trip: the mean wire bits a value of one trip (a part to its reducer, or an average back), scales included.
 
 Rounds are counted per peer after the last joiner's first round, the last one (cut by the stop) left out. Prints
 one row per peer and the total. `--report DIR` prints that table again from the logs a run left in DIR.
@@ -24,6 +26,7 @@ import argparse
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +36,7 @@ from pathlib import Path
 MADDR = re.compile(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+")
 ROUND = re.compile(r"round (\d+): averaged with (?:nobody|(\d+) peer\(s\)(, lost)?)")
 RESYNC = re.compile(r"round (\d+): our global weights .* differ from the group's")
+TRIP = re.compile(r"round (\d+): averaged with \d+ peer\(s\)[^\n]* in ([\d.]+) s, sent [\d.]+ KiB \(([\d.]+) bits a value\)")
 
 
 def corpus(path: Path) -> Path:
@@ -60,6 +64,9 @@ def round_table(log: str, peers: int, after: int = 0) -> dict[str, int]:
         counts["full" if others == peers - 1 else "partial" if others else "alone"] += 1
         counts["lost"] += lost
     counts["resync"] = len({int(m.group(1)) for m in RESYNC.finditer(log)} & set(rounds))
+    trips = [(float(m.group(2)), float(m.group(3))) for m in TRIP.finditer(log) if int(m.group(1)) in rounds]
+    counts["round s"] = statistics.median(s for s, _ in trips) if trips else float("nan")
+    counts["b/trip"] = statistics.fmean(b for _, b in trips) if trips else float("nan")
     return counts
 
 
@@ -160,17 +167,22 @@ def print_table(logs: list[Path], peers: int) -> None:
     columns = ("rounds", "full", "partial", "alone", "lost", "resync")
     after = first_round_of_all(logs)
     print(f"rounds after {after}, the last joiner's first:")
-    print(f"| peer | {' | '.join(columns)} | full share |")
-    print("|" + " --- |" * (len(columns) + 2))
+    print(f"| peer | {' | '.join(columns)} | full share | round s | b/trip |")
+    print("|" + " --- |" * (len(columns) + 4))
     total = dict.fromkeys(columns, 0)
+    medians, trips = [], []
     for i, log in enumerate(logs):
         counts = round_table(log.read_text(errors="replace"), peers, after)
         for key in columns:
             total[key] += counts[key]
+        medians.append(counts["round s"])
+        trips.append(counts["b/trip"])
         share = counts["full"] / counts["rounds"] if counts["rounds"] else 0.0
-        print(f"| peer{i} | {' | '.join(str(counts[k]) for k in columns)} | {share:.0%} |")
+        print(f"| peer{i} | {' | '.join(str(counts[k]) for k in columns)} | {share:.0%} | {counts['round s']:.2f} | "
+              f"{counts['b/trip']:.3f} |")
     share = total["full"] / total["rounds"] if total["rounds"] else 0.0
-    print(f"| all | {' | '.join(str(total[k]) for k in columns)} | {share:.0%} |")
+    print(f"| all | {' | '.join(str(total[k]) for k in columns)} | {share:.0%} | {statistics.median(medians):.2f} | "
+          f"{max(trips):.3f} (max) |")
     tracebacks = sum(log.read_text(errors="replace").count("Traceback") for log in logs)
     print(f"tracebacks in the logs: {tracebacks}")
 

@@ -74,6 +74,7 @@ class SwarmReport:
         self.bytes_received += outcome.bytes_received
         if outcome.averaged is not None:
             self.last_averaging = time.time()
+        bits_per_value = 8 * outcome.bytes_sent / outcome.values_sent if outcome.values_sent else 0.0
         self.status.record_averaging(
             AveragingRecord(
                 round=number,
@@ -83,19 +84,19 @@ class SwarmReport:
                 duration_s=outcome.seconds,
                 bits_per_param=8 * outcome.bytes_sent / self.numel,
                 dropped_peers=outcome.dropped_peers,
-                bits_per_value=8 * outcome.bytes_sent / outcome.values_sent if outcome.values_sent else 0.0,
+                bits_per_value=bits_per_value,
             )
         )
         self.status.update(round=number, averaging_in_flight=False)
         if outcome.averaged is None:
             log.info("round %d: averaged with nobody (%s); continuing alone", number, outcome.error or "no peers")
             return
-        # A groupmate lost mid-round leaves a span of our average different from the others' (zero, or without
-        # that sender): say so, since the weights then differ until the next round's resync.
+        # A groupmate lost mid-round leaves a span of our average zero (a reducer) or without its part (a sender):
+        # say so, since that round then carried less than the group's whole update.
         lost = f", lost {outcome.dropped_peers} of them mid-round" if outcome.dropped_peers else ""
-        log.info("round %d: averaged with %d peer(s)%s in %.1f s, sent %.1f KiB, received %.1f KiB, weights %s",
-                 number, outcome.group_size - 1, lost, outcome.seconds, outcome.bytes_sent / 1024,
-                 outcome.bytes_received / 1024, weights)
+        log.info("round %d: averaged with %d peer(s)%s in %.1f s, sent %.1f KiB (%.2f bits a value), received %.1f "
+                 "KiB, weights %s", number, outcome.group_size - 1, lost, outcome.seconds, outcome.bytes_sent / 1024,
+                 bits_per_value, outcome.bytes_received / 1024, weights)
 
     def record(self) -> PeerRecord:
         """This peer's metrics record, as published."""
