@@ -29,7 +29,7 @@ peer of the group, through the digests) and what each sender sent for it goes ba
 whole round fails, the sender's residual is rolled back. Either way nothing a sender owes is lost, only delayed.
 
 Groupmates whose parts or averages were refused are counted in a `PeerReputation` (peers/reputation.py); one
-refused in two rounds is banned for the run: its parts are ignored, its span is not asked for, and this peer
+refused in two rounds is banned for the run: its parts are left out, its span's answers unused, and this peer
 neither leads nor follows it into a group (`banned_peers()`, `banned_count`).
 
 Usage: the asynchronous swarm loop (host process; `DelayedOuterStep` is in peers/outer.py)::
@@ -63,6 +63,7 @@ hivemind before any averager process is forked.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import multiprocessing as mp
@@ -95,7 +96,16 @@ from tscale_p2p.peers.hivemind_seam import (
 )
 from tscale_p2p.peers.reputation import PeerReputation
 from tscale_p2p.peers.robust import high_median, robust_aggregate
-from tscale_p2p.peers.span_agreement import NO_AVERAGE, DigestInboxes, digest_message, disputed_spans, span_digest
+from tscale_p2p.peers.span_agreement import (
+    NO_AVERAGE,
+    REFUSED,
+    DigestInboxes,
+    believed,
+    digest_message,
+    disputed_spans,
+    outvoted_reducers,
+    span_digest,
+)
 from tscale_p2p.peers.state_download import StateCheck, download_checked_state
 
 logger = logging.getLogger(__name__)
@@ -120,10 +130,12 @@ REPLY_NORM_RATIO = 10.0
 AGREEMENT_SIGMAS = 4.0
 
 # How long a peer whose all-reduce has ended waits for its groupmates' span digests (peers/span_agreement.py).
-# Groupmates end their all-reduces within moments of each other (each ends with the last reducer's answer), so
-# this bounds only the wait for one that left after sending its parts; the average is applied after it, while
-# training goes on.
-SPAN_AGREEMENT_TIMEOUT_S = 5.0
+# Honest groupmates end their all-reduces within moments of each other (each ends with the last reducer's answer);
+# one still waiting on a slow reducer gets our digests all the same (they wait in its inbox) and drops what we
+# lack, so a short wait costs little agreement. A long one costs time: the average is applied after it, and
+# with a reducer that stalls some groupmates (a two-faced one, banned by some) 5 s here made every round late
+# and cost +45% val loss in benchmarks/swarm_attacks.py.
+SPAN_AGREEMENT_TIMEOUT_S = 1.0
 
 _SENT, _RECEIVED, _VALUES_SENT, _VALUES_RECEIVED = 0, 1, 2, 3  # the averager's traffic counters
 
@@ -706,21 +718,28 @@ class SwarmAverager(AveragerBase):
         self, runner: "_OneBitAllReduceRunner", group_id: bytes
     ) -> dict[PeerID, list[tuple[int, int]]]:
         """Exchange span digests with the groupmates (peers/span_agreement.py); return the spans we took an
-        average of that a groupmate got otherwise: reducer -> its span's [start, end) ranges, to drop."""
+        average of that a groupmate got otherwise (reducer -> its span's [start, end) ranges, to drop), and count
+        a reducer most of the group refused or got other bytes from among those caught this round."""
         peers, mine = runner.ordered_peer_ids, runner.reply_digests
-        trusted = [peer for peer in peers if peer != runner.peer_id and peer not in runner.banned]
+        others = [peer for peer in peers if peer != runner.peer_id]
         message = digest_message(group_id, mine)
-        for peer in trusted:
+        for peer in others:
             if runner.modes[peers.index(peer)] != AveragingMode.CLIENT:  # a client-mode peer takes no calls
                 asyncio.ensure_future(self._send_digests(peer, message))
-        expected = [] if self.client_mode else [peer for peer in trusted if peer not in runner.dropped_peers]
-        received = await self._digest_inboxes.wait(group_id, expected, SPAN_AGREEMENT_TIMEOUT_S)
+        # Everyone's digests count, a banned peer's too: groupmates that have not banned it count them, and
+        # agreement needs the same digests on every peer. Not awaited: senders that went silent (gone, likely).
+        alive = [peer for peer in others if peer in runner.banned or peer not in runner.dropped_peers]
+        received = believed(mine, await self._digest_inboxes.wait(group_id, [] if self.client_mode else alive,
+                                                                  SPAN_AGREEMENT_TIMEOUT_S))
         dropped = {}
-        for index in sorted(disputed_spans(mine, {p: d for p, d in received.items() if p in trusted})):
-            if mine[index] == NO_AVERAGE:
+        for index in sorted(disputed_spans(mine, received)):
+            if mine[index] in (NO_AVERAGE, REFUSED):
                 continue  # lost here already
             logger.info("dropping %s's span this round: a groupmate got another average of it", peers[index])
             dropped[peers[index]] = runner.span_ranges(index)
+        voters = {peer: digests for peer, digests in received.items() if peer not in runner.banned}
+        for index in outvoted_reducers(peers, runner.peer_id, mine, voters):
+            runner.refuse_reducer(peers[index], "an average most of its group refused or got otherwise")
         return dropped
 
     async def _send_digests(self, peer: PeerID, message: averaging_pb2.AveragingData) -> None:
@@ -888,8 +907,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
     """hivemind's butterfly all-reduce with validated inputs, robust aggregation and one shared 1-bit answer per part.
 
     Outputs are the averaged values themselves (hivemind's runner yields deltas); a failed reducer's span is
-    zero, and `lost_spans` says where. Peers in `banned` take no part: their parts are ignored and their spans
-    are not asked for (lost). `rejected` says who sent or answered something refused this round, and why.
+    zero, and `lost_spans` says where. Peers in `banned` take no part in our average: their parts are left out of
+    our span (but answered) and their spans' answers are not used (lost), though they get our parts. `rejected` says who sent or answered something refused this round, and why.
     `tensors` must be views of one flat buffer: a part's storage offset is then its position in the model, which
     locates lost spans and indexes the reducer residual (None: no reducer error feedback) whichever span this
     peer reduces in a round.
@@ -926,11 +945,13 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         self._invalid: dict[PeerID, str] = {}  # groupmates whose parts or averages were refused, and why
         self._own_norms = [float(part.norm()) for part in self.parts_for_local_averaging]
         self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
+        self._compressing: set[int] = set()  # parts whose reply is being made
         self._sent_parts: dict[int, list[tuple[torch.Size, float]]] = {}  # peer index -> (shape, norm) we sent
         self.lost_spans: list[tuple[int, int]] = []  # [start, end) in the flat vector of parts nobody averaged
         self._failed_reducers: set[PeerID] = set()
         # per reducer (in ordered_peer_ids' order): the digest of the average we took of its span, for the
-        # group to compare (peers/span_agreement.py); NO_AVERAGE where we took none
+        # group to compare (peers/span_agreement.py); REFUSED where we refused it (or banned its reducer),
+        # NO_AVERAGE where we took none for another reason
         self.reply_digests: list[bytes] = [NO_AVERAGE] * len(self.ordered_peer_ids)
         # where each reducer's parts lie in the flat vector (taken now: the container forgets its parts when done)
         self._span_ranges = [
@@ -962,7 +983,9 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         sender = self.sender_peer_ids[sender_index]
         part_index, weight = 0, None
         if sender in self.banned:
-            return  # not a word to a banned peer; hivemind drops it from the span
+            async for reply in self._answer_banned_sender(stream):
+                yield reply
+            return
         try:
             async for message in stream:
                 self.traffic[_RECEIVED] += message.ByteSize()
@@ -978,9 +1001,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
                 except BannedException:
                     break  # dropped in the background (silent for too long)
                 reply, _ = await self._reply_for(part_index, averaged)
-                self.traffic[_SENT] += reply.ByteSize()
-                self.traffic[_VALUES_SENT] += math.prod(reply.size)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply)
+                yield self._answer(reply)
                 part_index += 1
         except InvalidContributionError as e:
             logger.warning("dropping %s from this round: part %d is invalid (%s)", sender, part_index, e)
@@ -989,6 +1010,23 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self.ban_sender(sender)
+
+    async def _answer_banned_sender(self, stream: AsyncIterator[averaging_pb2.AveragingData]):
+        """A banned sender's parts stay out of the aggregate, but each is answered with the span's average of the
+        others: a groupmate that gets no answer from us waits for its reducer timeout, and so do those waiting for
+        its own span, and it would lack the bytes the group compares (peers/span_agreement.py)."""
+        part_index = 0
+        async for _ in stream:
+            if part_index >= self.tensor_part_reducer.num_parts:
+                break
+            reply, _ = await asyncio.wait_for(self._reply_slot(part_index), self.reducer_timeout)
+            yield self._answer(reply)
+            part_index += 1
+
+    def _answer(self, reply: runtime_pb2.Tensor) -> averaging_pb2.AveragingData:
+        self.traffic[_SENT] += reply.ByteSize()
+        self.traffic[_VALUES_SENT] += math.prod(reply.size)
+        return averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply)
 
     def _norm_bound(self, own: float, tokens: float) -> float:
         """The largest norm accepted for a part from `tokens` tokens, ours being `own`."""
@@ -1006,12 +1044,20 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
                                            f"peer's {own:.3g} from {self.weight:.3g}")
         return part
 
-    def _reply_for(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
-        """The one message every sender gets for this part (computed by whichever sender asks first)."""
+    def _reply_slot(self, part_index: int) -> asyncio.Future:
+        """The future of the one message every sender gets for this part, (message, decoded)."""
         if part_index not in self._replies:
-            loop = asyncio.get_running_loop()
-            self._replies[part_index] = loop.run_in_executor(None, self._compress_reduced, part_index, averaged)
+            self._replies[part_index] = asyncio.get_running_loop().create_future()
         return self._replies[part_index]
+
+    def _reply_for(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
+        """`_reply_slot`, compressed from `averaged` by whichever sender brings the part's aggregate first."""
+        slot = self._reply_slot(part_index)
+        if part_index not in self._compressing:
+            self._compressing.add(part_index)
+            compressed = asyncio.get_running_loop().run_in_executor(None, self._compress_reduced, part_index, averaged)
+            compressed.add_done_callback(functools.partial(_settle, slot))
+        return slot
 
     def _compress_reduced(self, part_index: int, averaged: torch.Tensor) -> tuple[runtime_pb2.Tensor, torch.Tensor]:
         if not bool(torch.isfinite(averaged).all()):
@@ -1039,6 +1085,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             if peer_id == self.peer_id:
                 await self._reduce_own_parts(peer_index)
             elif peer_id in self.banned:
+                self.reply_digests[peer_index] = REFUSED
+                await self._feed_banned_reducer(peer_id, peer_index)
                 raise AllreduceException(f"{peer_id} is banned")
             else:
                 await self._exchange_with_reducer(peer_id, peer_index)
@@ -1052,9 +1100,29 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             container.register_failed_reducer(peer_index)
             raise
 
+    def refuse_reducer(self, peer_id: PeerID, why: str) -> None:
+        """Count `peer_id` among the groupmates caught this round (`rejected`), as a reducer."""
+        self._invalid.setdefault(peer_id, why)
+
     def span_ranges(self, peer_index: int) -> list[tuple[int, int]]:
         """The [start, end) ranges, in the flat vector, of the parts of the span `peer_index` reduces."""
         return self._span_ranges[peer_index]
+
+    async def _feed_banned_reducer(self, peer_id: PeerID, peer_index: int) -> None:
+        """Send a banned reducer our parts anyway, in the background, and never use its answers: left waiting for
+        them it would hold up every groupmate that still takes its span, until its sender timeout."""
+        outgoing = self._count_outgoing(peer_index)
+        first = await anext(outgoing)  # the container's parts are taken now, before the round ends and frees them
+
+        async def feed() -> None:
+            try:
+                stream = await self.peer_stub(peer_id).rpc_aggregate_part(achain(as_aiter(first), outgoing))
+                async for _ in aiter_with_timeout(stream, self.reducer_timeout):
+                    pass
+            except Exception as e:  # noqa: BLE001  (whatever it does, its span is lost to us already)
+                logger.debug("feeding banned reducer %s: %r", peer_id, e)
+
+        asyncio.ensure_future(feed())
 
     async def _reduce_own_parts(self, peer_index: int) -> None:
         sender_index = self.sender_peer_ids.index(self.peer_id)
@@ -1090,6 +1158,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
                 self._check_reply_norm(averaged, sent_norm)
             except InvalidContributionError as e:
                 self._invalid.setdefault(peer_id, f"an invalid average ({e})")
+                self.reply_digests[peer_index] = REFUSED
                 raise
             sent = sent_parts[part_index]
             agreement += float(averaged.reshape(-1) @ sent.reshape(-1))
@@ -1134,6 +1203,18 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             self.traffic[_SENT] += message.ByteSize()
             self.traffic[_VALUES_SENT] += math.prod(message.tensor_part.size)
             yield message
+
+
+def _settle(slot: asyncio.Future, done: asyncio.Future) -> None:
+    """Hand `done`'s outcome to `slot` (asyncio has no public way to chain two futures)."""
+    if slot.done():
+        return
+    if done.cancelled():
+        slot.cancel()
+    elif done.exception() is not None:
+        slot.set_exception(done.exception())
+    else:
+        slot.set_result(done.result())
 
 
 def _decode_part(codec: SwarmCodec, serialized: runtime_pb2.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -89,6 +89,7 @@ class RoundClock:
         self._mine: Progress | None = None
         self._others: list[Progress] = []  # the latest fetch, fresh records only
         self._confirmed: set[str] = set()  # peer ids met in an averaging group (or our state's donor)
+        self._banned: set[str] = set()  # peer ids whose records count no more
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="swarm-round-clock", daemon=True)
 
@@ -132,6 +133,13 @@ class RoundClock:
         """Peers this one has averaged with (or downloaded the swarm's state from): their records count as they
         are; those of the others are bounded (see the module's docstring)."""
         self._confirmed.update(p for p in peer_ids if p and p != self.peer_id)
+
+    def leave_out(self, peer_ids: Iterable[str]) -> None:
+        """Peers this one has banned: their records count no more. Such a peer can no longer join our groups,
+        so counting it would only make every round wait for a groupmate that never comes (or let it end rounds)."""
+        self._banned.update(peer_ids)
+        self._confirmed -= self._banned
+        self._others = [p for p in self._others if p.peer_id not in self._banned]
 
     def _counts_fully(self, other: Progress) -> bool:
         return not self._confirmed or other.peer_id in self._confirmed
@@ -185,7 +193,7 @@ class RoundClock:
 
     def observe(self, others: list[Progress]) -> None:
         """Take `others` (fresh records of the other peers) as the swarm's progress; the DHT thread calls this."""
-        self._others = list(others)
+        self._others = [p for p in others if p.peer_id not in self._banned]
 
     def _loop(self) -> None:
         while not self._stop.is_set():

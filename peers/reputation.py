@@ -4,8 +4,8 @@ A groupmate is rejected in a round when, as a sender, a part it sent for our spa
 over the norm bound, or flagged by the robust rule (peers/robust.py), or when, as a reducer, an average it sent
 us was malformed or failed our check. Network trouble (timeouts, a peer that left) is never a rejection: a slow
 volunteer is not an attacker. A peer rejected in `BAN_AFTER` rounds is banned for the rest of the run, by this
-peer only (there is no swarm-wide list a liar could write to): its parts are ignored, its spans are not asked
-for, and groups with it are refused where this peer leads them and skipped where it would follow.
+peer only (there is no swarm-wide list a liar could write to): its parts are left out, its spans' answers
+unused, and groups with it are refused where this peer leads them and skipped where it would follow.
 """
 
 from __future__ import annotations

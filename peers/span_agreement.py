@@ -8,12 +8,15 @@ groupmates one SHA-256 digest per span (of the reply bytes it took, or `NO_AVERA
 any span whose digest a groupmate reports differently: a failed span then falls back identically on every honest
 peer, whoever it failed for (a lie, or a reducer that timed out for one peer only).
 
-Nothing here is signed beyond the libp2p channel, which authenticates the sender of each digest vector, so a
-disputed span earns nobody a strike (an honest reducer cannot prove what it sent). What a liar gains by disputing
-is bounded: a vector that differs from ours on more than one span is not believed (an honest peer lied to by
-one reducer differs on exactly one), so it can make its group drop at most one span a round, and it has to
-send the dispute to every peer to do even that consistently. Agreement among peers that some digests never reach
-within the wait is not guaranteed; they fall back to what they saw themselves, as before.
+Nothing here is signed beyond the libp2p channel, which authenticates the sender of each digest vector: an honest
+reducer cannot prove what it sent, so one dispute earns nobody a strike. A reducer earns one only when more than
+half of its other groupmates refused its average (`REFUSED`: invalid, or they banned it) or got other bytes than
+we did (`outvoted_reducers`): the groupmate a two-faced reducer told the truth bans it too, while liars fewer than
+half a group cannot frame an honest one. In a group of three a lone dispute is a tie, and nobody is struck. What a
+liar gains by disputing is bounded: a vector that differs from ours on more than one span is not believed (an
+honest peer lied to by one reducer differs on exactly one), so it can make its group drop at most one span a
+round. Agreement among peers that some digests never reach within the wait is not guaranteed; they fall back to
+what they saw themselves.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 logger = logging.getLogger(__name__)
 
 DIGEST_BYTES = hashlib.sha256().digest_size
-NO_AVERAGE = bytes(DIGEST_BYTES)  # the digest of a span this peer has no average of (failed, refused, empty)
+NO_AVERAGE = bytes(DIGEST_BYTES)  # the digest of a span this peer has no average of (timed out, empty)
+REFUSED = b"\xff" * DIGEST_BYTES  # of a span whose average this peer refused (invalid) or whose reducer it banned
 MAX_PENDING_GROUPS = 4  # inboxes kept at once: a round's, and a few stale ones a slow peer may still reach
 
 
@@ -59,17 +63,39 @@ def read_digests(message: averaging_pb2.AveragingData, group_size: int) -> list[
     return [part.buffer[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(group_size)]
 
 
-def disputed_spans(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]) -> set[int]:
-    """The spans (reducer indices) to drop: those where a groupmate's digests differ from ours, counting only
-    groupmates whose digests differ on exactly one span (see the module docstring)."""
-    disputed = set()
+def believed(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]) -> dict[PeerID, Sequence[bytes]]:
+    """The groupmates' digest vectors that differ from ours on one span at most (see the module docstring)."""
+    kept = {}
     for peer, digests in theirs.items():
-        differing = [i for i, (a, b) in enumerate(zip(mine, digests)) if a != b]
-        if len(differing) == 1:
-            disputed.add(differing[0])
-        elif differing:
-            logger.info("not believing %s's span digests: they differ from ours on %d spans", peer, len(differing))
-    return disputed
+        differing = sum(a != b for a, b in zip(mine, digests))
+        if differing <= 1:
+            kept[peer] = digests
+        else:
+            logger.info("not believing %s's span digests: they differ from ours on %d spans", peer, differing)
+    return kept
+
+
+def disputed_spans(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]) -> set[int]:
+    """The spans (reducer indices) to drop: those where a groupmate's (believed) digests differ from ours."""
+    return {i for digests in theirs.values() for i, (a, b) in enumerate(zip(mine, digests)) if a != b}
+
+
+def outvoted_reducers(
+    peers: Sequence[PeerID], me: PeerID, mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]
+) -> list[int]:
+    """Reducers (indices) whose average we took while most of their other groupmates (`theirs`: believed vectors)
+    refused it or got other bytes: more than half of the group without the reducer, us counted in it. Such a
+    reducer told groupmates different things. Fewer than half of a group cannot get an honest reducer caught this
+    way, and a timeout (`NO_AVERAGE`) never counts against one."""
+    outvoted = []
+    for index, (reducer, taken) in enumerate(zip(peers, mine)):
+        if reducer == me or taken in (NO_AVERAGE, REFUSED):
+            continue
+        against = sum(1 for peer, digests in theirs.items()
+                      if peer != reducer and digests[index] not in (taken, NO_AVERAGE))
+        if 2 * against > len(peers) - 1:
+            outvoted.append(index)
+    return outvoted
 
 
 @dataclass

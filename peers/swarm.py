@@ -411,6 +411,8 @@ class SwarmPeer:
         self.report.round(flight.number, outcome, self._fingerprint)
         if outcome.averaged is not None and not outcome.dropped_peers:
             self.clock.confirm(outcome.group_peers)  # they really averaged with us: their progress counts fully
+        if self.averager.banned_count:
+            self.clock.leave_out(self.averager.banned_peers())
         consensus = self._group_consensus(outcome) if outcome.averaged is not None else None
         if consensus is not None and consensus != flight.base:
             self._resync(flight, consensus, average)

@@ -246,10 +246,10 @@ def test_a_reducer_answering_minus_the_average_loses_its_span_without_a_strike()
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_a_reducer_telling_peers_different_averages_loses_its_span_on_every_honest_peer():
+def test_a_reducer_telling_peers_different_averages_loses_its_span_on_every_honest_peer_and_is_banned():
     """The truth to one groupmate, 50x it to the others: those it lied to refuse its span and ban it, and the one
     it told the truth drops the span too once their digests differ from its own, so all three apply the very
-    same average. (The one told the truth cannot tell who lied, so it bans nobody.)"""
+    same average; most of the group refused what it took, so it bans the liar as well."""
     kinds = [SwarmAverager] * 3 + [TwoFacedReducer]
     with swarm([OneBitCodec() for _ in range(4)], averager_type=kinds) as averagers:
         honest, liar = averagers[:3], averagers[3]
@@ -259,28 +259,32 @@ def test_a_reducer_telling_peers_different_averages_loses_its_span_on_every_hone
             assert all(torch.equal(g, got[0]) for g in got) and bool(torch.isfinite(got[0]).all())
             assert 0.1 < float((got[0] == 0).float().mean()) < 0.5  # the liar's span, about a quarter
             assert all(o.dropped_peers == 1 for o in outcomes)
-        truthful = min(honest, key=peer)
-        assert truthful.banned_count == 0
-        assert_banned_by_all([a for a in honest if a is not truthful], [liar])
+        assert_banned_by_all(honest, [liar])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("disputer, lost", [(DisputingPeer, 0), (DisputingOnePeer, 1)], ids=["all_spans", "one_span"])
-def test_a_groupmate_disputing_spans_costs_at_most_one_span_and_no_strike(disputer, lost):
+@pytest.mark.parametrize("disputers, lost", [([DisputingPeer], 0), ([DisputingOnePeer], 1),
+                                              ([DisputingOnePeer] * 2, 1)], ids=["all_spans", "one_span", "a_pair"])
+def test_groupmates_disputing_spans_cost_at_most_one_span_and_frame_nobody(disputers, lost):
     """A groupmate claiming it got other averages of every span is not believed; one disputing a single span makes
-    every honest peer drop that span alike. Either way the honest peers apply the same average and strike nobody
-    (a digest proves nothing about who lied)."""
-    with swarm([OneBitCodec() for _ in range(4)], averager_type=[SwarmAverager] * 3 + [disputer]) as averagers:
-        grads = grads_of_round(0, 4)
-        outcomes = play(averagers, grads, [1000.0] * 4, group_size=4)[:3]
-        got = [flat(o.averaged) for o in outcomes]
-        assert all(torch.equal(g, got[0]) for g in got)
-        assert all(o.dropped_peers == lost for o in outcomes)
-        want = flat(expected_first_round(grads, [1000.0] * 4))
-        kept = got[0] != 0
-        assert relative(got[0][kept], want[kept]) < 1e-2
-        assert (0.1 < float((~kept).float().mean()) < 0.5) if lost else bool(kept.all())
+    every honest peer drop that span alike, and so does a pair (3 + 2) disputing the same span. Either way the
+    honest peers apply the same average, and the honest reducer of that span is struck by nobody: fewer than
+    half of its group claim to have refused it."""
+    count = 3 + len(disputers)
+    with swarm([OneBitCodec() for _ in range(count)], averager_type=[SwarmAverager] * 3 + disputers,
+               part_size_bytes=64) as averagers:
+        for round_number in range(2):  # two rounds: two strikes would ban
+            grads = grads_of_round(round_number, count)
+            outcomes = play(averagers, grads, [1000.0] * count, group_size=count)[:3]
+            got = [flat(o.averaged) for o in outcomes]
+            assert all(torch.equal(g, got[0]) for g in got)
+            assert all(o.dropped_peers == lost for o in outcomes)
+            kept = got[0] != 0
+            assert (0.05 < float((~kept).float().mean()) < 0.5) if lost else bool(kept.all())
+            if round_number == 0:  # (later rounds carry the error feedback)
+                want = flat(expected_first_round(grads, [1000.0] * count))
+                assert relative(got[0][kept], want[kept]) < 1e-2
         assert all(averager.banned_count == 0 for averager in averagers[:3])
 
 

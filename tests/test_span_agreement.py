@@ -9,9 +9,12 @@ from tscale_p2p.peers.span_agreement import (
     DIGEST_BYTES,
     MAX_PENDING_GROUPS,
     NO_AVERAGE,
+    REFUSED,
     DigestInboxes,
+    believed,
     digest_message,
     disputed_spans,
+    outvoted_reducers,
     read_digests,
     span_digest,
 )
@@ -20,7 +23,8 @@ PEERS = [PeerID(bytes([i]) * 34) for i in range(4)]
 
 
 def vector(*labels: int) -> list[bytes]:
-    return [NO_AVERAGE if label == 0 else span_digest([bytes([label])]) for label in labels]
+    """A digest vector: 0 is no average, -1 refused, any other label the digest of that byte."""
+    return [NO_AVERAGE if label == 0 else REFUSED if label == -1 else span_digest([bytes([label])]) for label in labels]
 
 
 def test_a_digest_depends_on_the_bytes_and_on_where_parts_split():
@@ -37,7 +41,22 @@ def test_a_span_is_dropped_when_a_groupmate_differs_on_it_alone():
 
 
 def test_a_groupmate_differing_on_several_spans_is_not_believed():
-    assert disputed_spans(vector(1, 2, 3, 4), {PEERS[3]: vector(0, 0, 0, 0), PEERS[1]: vector(1, 2, 0, 0)}) == set()
+    theirs = {PEERS[3]: vector(0, 0, 0, 0), PEERS[1]: vector(1, 2, 0, 0), PEERS[2]: vector(1, 2, 3, -1)}
+    assert believed(vector(1, 2, 3, 4), theirs) == {PEERS[2]: vector(1, 2, 3, -1)}
+
+
+def test_a_reducer_is_outvoted_when_most_of_its_other_groupmates_refused_what_we_took():
+    mine = vector(1, 2, 3, 4)  # we are PEERS[0]; PEERS[3] reduced span 3
+    two_refusals = {PEERS[1]: vector(1, 2, 3, -1), PEERS[2]: vector(1, 2, 3, -1), PEERS[3]: vector(1, 2, 3, 4)}
+    assert outvoted_reducers(PEERS, PEERS[0], mine, two_refusals) == [3]
+    other_bytes = {PEERS[1]: vector(1, 2, 3, 5), PEERS[2]: vector(1, 2, 3, 6)}
+    assert outvoted_reducers(PEERS, PEERS[0], mine, other_bytes) == [3]
+    one_refusal = {PEERS[1]: vector(1, 2, 3, -1), PEERS[2]: vector(1, 2, 3, 4)}  # a lone liar frames nobody
+    assert outvoted_reducers(PEERS, PEERS[0], mine, one_refusal) == []
+    timeouts = {PEERS[1]: vector(1, 2, 3, 0), PEERS[2]: vector(1, 2, 3, 0)}  # a slow reducer is no liar
+    assert outvoted_reducers(PEERS, PEERS[0], mine, timeouts) == []
+    tie = {PEERS[1]: vector(1, 2, -1)}  # a group of three: one against one is a tie
+    assert outvoted_reducers(PEERS[:3], PEERS[0], vector(1, 2, 3), tie) == []
 
 
 def test_only_one_digest_per_span_of_the_group_is_read():

@@ -82,6 +82,19 @@ def test_matchmaking_begins_one_window_before_the_rounds_end_and_expects_every_l
     assert RoundSchedule(clock_seeing(), matchmaking_time=2.0).group_size(round_s=60.0) is None  # alone
 
 
+def test_a_banned_peers_records_neither_hold_a_round_back_nor_count_in_its_group():
+    """Its groups refuse a banned peer, so a round that expected it would wait out the window every time."""
+    now = time.time()
+    honest, banned = Progress(3, 4, 1.0, now, "honest"), Progress(3, 0, 0.0, now, "banned")
+    clock = clock_seeing(honest, banned)
+    schedule = RoundSchedule(clock, matchmaking_time=2.0)
+    assert schedule.group_size(round_s=10.0) == 3 and not clock.round_done(3, 16)
+    clock.leave_out(["banned"])
+    assert schedule.group_size(round_s=10.0) == 2 and clock.round_done(3, 16)  # 16 + 4 steps: H each
+    clock.observe([honest, banned])  # its next records are left out too
+    assert schedule.group_size(round_s=10.0) == 2
+
+
 def test_a_round_is_given_up_after_two_windows_only_when_nobody_else_trains_towards_it():
     now = time.time()
     assert RoundSchedule(clock_seeing(), matchmaking_time=1.5).give_up_after(4) == 3.0
