@@ -1,5 +1,5 @@
 """The 1-bit all-reduce on real gloo process groups (2 and 3 ranks) against a one-process reference of the same
-arithmetic, and its error feedback over many steps."""
+arithmetic, its error feedback over many steps, and its exchange of AdamW's preconditioned gradient."""
 
 from __future__ import annotations
 
@@ -10,28 +10,41 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tscale_p2p.comm_hooks import OneBitAllReduce
+from tscale_p2p.comm_hooks import OneBitAllReduce, adam_denominators
 from tscale_p2p.kernels.onebit import error_feedback_pack, unpack
 
 BLOCK = 16
-SIZES = (1000, 37)  # two "buckets": one spanning many blocks, one shorter than a block per rank
+SIZES = (1000, 37, 1000)  # "buckets": one spanning many blocks, one shorter than a block per rank, and ...
+PRECONDITIONED = 2  # ... one exchanged divided by per-value denominators (as AdamW's sqrt(v) + eps)
 STEPS = 40
 
 
-def gradient(step: int, rank: int, numel: int) -> torch.Tensor:
-    """Rank-specific noise around a mean that does not vanish, so the running sum of means keeps growing."""
+def denominators(key: int, numel: int) -> torch.Tensor | None:
+    """1 and 1e-3 alternating (every block mixes both scales), the same on every rank and step."""
+    if key != PRECONDITIONED:
+        return None
+    return torch.tensor([1.0, 1e-3]).repeat((numel + 1) // 2)[:numel]
+
+
+def gradient(step: int, rank: int, key: int) -> torch.Tensor:
+    """Rank-specific noise around a mean that does not vanish, so the running sum of means keeps growing; the
+    preconditioned bucket's values are on the scale of their denominators."""
+    numel = SIZES[key]
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + numel)
-    return 0.2 + torch.randn(numel, generator=g) * (1 + rank)
+    scale = denominators(key, numel)
+    return (0.2 + torch.randn(numel, generator=g) * (1 + rank)) * (1 if scale is None else scale)
 
 
-def reference(grads: list[torch.Tensor], workers: list[torch.Tensor], servers: list[torch.Tensor]) -> torch.Tensor:
-    """DeepSpeed's compressed all-reduce written out for all ranks in one process; updates the residuals."""
+def reference(grads: list[torch.Tensor], workers: list[torch.Tensor], servers: list[torch.Tensor],
+              scale: torch.Tensor | None) -> torch.Tensor:
+    """DeepSpeed's compressed all-reduce written out for all ranks in one process, of `grads / scale` and
+    multiplied back by `scale` when there is one; updates the residuals."""
     world, numel = len(grads), grads[0].numel()
     chunk = -(-numel // (world * BLOCK)) * BLOCK
     decoded = []
     for g, residual in zip(grads, workers):
         padded = torch.zeros(world * chunk)
-        padded[:numel] = g
+        padded[:numel] = g if scale is None else g / scale
         signs, scales = error_feedback_pack(padded, residual, BLOCK)
         residual[numel:] = 0
         decoded.append(unpack(signs, scales, world * chunk, BLOCK).view(world, chunk))
@@ -43,7 +56,8 @@ def reference(grads: list[torch.Tensor], workers: list[torch.Tensor], servers: l
         signs, scales = error_feedback_pack(mean, servers[j], BLOCK)
         servers[j][valid:] = 0
         out.append(unpack(signs, scales, chunk, BLOCK))
-    return torch.cat(out)[:numel]
+    mean = torch.cat(out)[:numel]
+    return mean if scale is None else mean * scale
 
 
 def _rank(rank: int, port: int, folder) -> None:
@@ -56,8 +70,10 @@ def _rank(rank: int, port: int, folder) -> None:
         allreduce = OneBitAllReduce(group=group, block_size=BLOCK)
         outputs = []
         for step in range(STEPS):
-            tensors = [gradient(step, rank, n) for n in SIZES]
-            outputs.append([allreduce.reduce(key, t).wait().clone() for key, t in enumerate(tensors)])
+            outputs.append([
+                allreduce.reduce(key, gradient(step, rank, key), denominators(key, numel)).wait().clone()
+                for key, numel in enumerate(SIZES)
+            ])
         torch.save((outputs, allreduce.wire.bytes_sent, allreduce.wire.values), folder / f"world{world}-rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -84,22 +100,46 @@ def test_onebit_allreduce_equals_the_reference_on_every_rank_and_its_error_stays
         chunk = -(-numel // (world * BLOCK)) * BLOCK
         workers = [torch.zeros(world * chunk) for _ in range(world)]
         servers = [torch.zeros(chunk) for _ in range(world)]
+        scale = denominators(key, numel)
         applied, true_mean = torch.zeros(numel), torch.zeros(numel)
         for step in range(STEPS):
-            grads = [gradient(step, r, numel) for r in range(world)]
-            expected = reference(grads, workers, servers)
+            grads = [gradient(step, r, key) for r in range(world)]
+            expected = reference(grads, workers, servers, scale)
             for rank in range(world):  # every rank applies the same, and it is the reference's
                 torch.testing.assert_close(results[rank][0][step][key], expected, rtol=0, atol=0)
             applied += expected
             true_mean += torch.stack(grads).mean(dim=0)
-        # Error feedback: what was applied lags the true sum by exactly what the residuals hold now ...
+        # Error feedback: what was applied lags the true sum by exactly what the residuals hold now (divided by
+        # the denominators, which are constant here) ...
         held = torch.stack(workers).mean(dim=0)[:numel] + torch.cat(servers)[:numel]
-        torch.testing.assert_close(applied + held, true_mean, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(applied + held * (1 if scale is None else scale), true_mean, rtol=1e-4, atol=1e-3)
         # ... which stays within one step's gradient while the sum grows: no error accumulates over the steps.
-        largest_step = max(gradient(step, r, numel).norm() for step in range(STEPS) for r in range(world))
+        largest_step = max(gradient(step, r, key).norm() for step in range(STEPS) for r in range(world))
         assert (applied - true_mean).norm() < largest_step < 0.5 * true_mean.norm()
     # Wire: a chunk of signs + bf16 scales to each other rank, twice (all-to-all, then all-gather).
     bytes_sent, values = results[0][1], results[0][2]
     assert values == STEPS * sum(SIZES)
     per_step = sum(2 * (world - 1) * (c // 8 + 2 * c // BLOCK) for c in (-(-n // (world * BLOCK)) * BLOCK for n in SIZES))
     assert bytes_sent == STEPS * per_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_preconditioned_exchange_sends_small_values_at_their_own_scale_not_at_their_blocks(world, rank_results):
+    """Values 1000x smaller than their block's others (AdamW's small-gradient coordinates) reach every rank at
+    their own size: the block scale is taken over the values divided by their denominators."""
+    applied = torch.stack([step[PRECONDITIONED] for step in torch.load(rank_results / f"world{world}-rank0.pt")[0]])
+    small = applied[:, 1::2].abs()
+    assert small.max() < 0.05 < applied[:, 0::2].abs().mean()
+
+
+def test_adam_denominators_are_adamws_divisors_in_the_parameters_order():
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    optimizer = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "eps": 1e-3}], lr=0.1)
+    assert adam_denominators(optimizer, params) is None  # before its first step AdamW has no second moments
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    v = [optimizer.state[p]["exp_avg_sq"] for p in params]
+    expected = torch.cat([v[1].sqrt() + 1e-3, v[0].sqrt().reshape(-1) + 1e-8])
+    torch.testing.assert_close(adam_denominators(optimizer, params[::-1]), expected, rtol=0, atol=0)

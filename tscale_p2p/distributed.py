@@ -128,7 +128,9 @@ class DataParallelTrainer(Trainer):
             self.model, device_ids=[device.index] if device.type == "cuda" else None, **_NO_FORWARD_BUFFER_SYNC,
             **one_bucket,
         )
-        self.onebit: OneBitAllReduce | None = register_compression(self.ddp, compression, cfg.sync_warmup_steps)
+        self.onebit: OneBitAllReduce | None = register_compression(
+            self.ddp, compression, cfg.sync_warmup_steps, optimizer=self.optimizer
+        )
         self._evaluation_forward = self.forward  # the plain (or compiled) model: evaluation runs on rank 0 alone
         self.forward = torch.compile(self.ddp) if device.type == "cuda" and cfg.compile else self.ddp
 
