@@ -8,7 +8,8 @@ newcomer. A downloader (`download_checked_state`, run in the averager's process)
 1. takes the base (round, fingerprint) that most offers of this run announce, ties going to the lower round
    (a liar claims a high one), and downloads only from peers that announce it, one after another, the most
    recently refreshed offer first (the likeliest to be still current); peers it has banned (peers/reputation.py)
-   are neither counted nor asked;
+   are neither counted nor asked, and when none of a base's peers answers (they left: an offer outlives its peer
+   by up to OFFER_TTL_S), their offers stop counting and the base is taken again from the others;
 2. refuses a tensor whose declared shape, dtype, encoding or size is not the run's before buffering it, so a
    peer cannot make it hold gigabytes; and
 3. accepts a state only if its metadata is well-formed (`StateMetadata`: a "round" of "abc" no longer crashes
@@ -153,11 +154,27 @@ async def download_checked_state(averager, check: StateCheck) -> tuple[dict, lis
     """Download the state most peers of the run offer, from one of them, checked (see the module's docstring);
     None if no peer sends an acceptable one. Runs in the averager's process: `averager` is a SwarmAverager
     (its DHT, p2p and RPC stub)."""
-    offers = {peer: entry.value for peer, entry in _offers(averager, check).items()}
-    base = majority_base(list(offers.values()))
-    if base is None:
-        log.info("no peer offers the swarm's state")
-        return None
+    gone: set[str] = set()  # donors that did not answer: their offers no longer count
+    while True:
+        offers = {peer: entry.value for peer, entry in _offers(averager, check).items() if peer not in gone}
+        base = majority_base(list(offers.values()))
+        if base is None:
+            log.info("no peer offers the swarm's state")
+            return None
+        state = await _download_base(averager, check, offers, base, gone)
+        if state is not None or not all(peer in gone for peer, offer in offers.items()
+                                        if (offer.round, offer.weights) == base):
+            return state
+        # Every peer offering that base is gone (an offer outlives its peer by up to OFFER_TTL_S): in a tie with
+        # a live peer's offer, a departed one's lower round kept joiners from the live state until it expired.
+        log.info("no peer offering round %d answered; counting the offers of the others", base[0])
+
+
+async def _download_base(
+    averager, check: StateCheck, offers: dict, base: tuple[int, str], gone: set[str]
+) -> tuple[dict, list[torch.Tensor]] | None:
+    """The state of `base` from the first of its donors that sends an acceptable one; adds to `gone` those that
+    do not answer at all."""
     donors = [peer for peer, offer in offers.items() if (offer.round, offer.weights) == base]  # freshest first
     others = len(offers) - len(donors)
     log.info("%d of %d peers offer the state of round %d, weights %s%s", len(donors), len(offers), *base,
@@ -171,11 +188,12 @@ async def download_checked_state(averager, check: StateCheck) -> tuple[dict, lis
             continue
         except Exception as error:  # unreachable, slow, or gone: the next one
             log.info("could not download the state of peer %s: %r", peer, error)
+            gone.add(peer)
             continue
         problem = check.problem(metadata, tensors)
         if problem is None and (metadata["round"], metadata["weights"]) != base:
             # The swarm may have moved on a round while we downloaded: the majority's base then.
-            now = majority_base([e.value for e in _offers(averager, check).values()])
+            now = majority_base([e.value for p, e in _offers(averager, check).items() if p not in gone])
             if (metadata["round"], metadata["weights"]) != now:
                 problem = (f"it is the state of round {metadata['round']}, weights {metadata['weights']}, not the "
                            f"one most peers offer (round {base[0]}, weights {base[1]})")

@@ -183,6 +183,30 @@ def test_a_poisoned_state_is_refused_and_the_joiner_gets_the_majoritys(nodes):
             averager.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_the_offer_of_a_peer_that_left_does_not_keep_a_joiner_from_the_live_state(nodes):
+    """A peer that left leaves its offer in the DHT for a minute; tied with a live peer's offer at a later round,
+    its lower round is the base. Nobody offering it answers, so the joiner counts the other offers and downloads
+    the live peer's state (it used to find no state until the dead offer expired)."""
+    live_node, left_node, joiner_node = nodes("live"), nodes("left"), nodes("joiner")
+    live = Donor(live_node, lambda: state(honest_weights(), 6))
+    left = Donor(left_node, lambda: state(honest_weights()))
+    check = StateCheck(RUN, config().hash, tuple(SHAPES))
+    joiner = SwarmAverager([torch.zeros(1)], joiner_node, prefix=f"{RUN}_grad", client_mode=True, state_check=check)
+    try:
+        left.offer(5, fingerprint([w * 2 for w in honest_weights()]))
+        left.averager.shutdown()  # its offer stays; its RPCs are gone
+        live.offer(6, fingerprint(honest_weights()))
+        downloaded = joiner.load_state_from_peers(wait=True, timeout=60)
+        assert downloaded is not None
+        metadata, tensors = downloaded
+        assert metadata["donor"] == str(live_node.peer_id) and metadata["round"] == 6
+        assert all(torch.equal(t, w) for t, w in zip(tensors, honest_weights()))
+    finally:
+        for averager in (joiner, live.averager):
+            averager.shutdown()
+
+
 def test_the_majority_base_wins_and_ties_go_to_the_lower_round():
     from tscale_p2p.peers.state_download import StateOffer, majority_base
 
