@@ -1000,7 +1000,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
                     averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight)
                 except BannedException:
                     break  # dropped in the background (silent for too long)
-                reply, _ = await self._reply_for(part_index, averaged)
+                reply, _ = await asyncio.shield(self._reply_for(part_index, averaged))
                 yield self._answer(reply)
                 part_index += 1
         except InvalidContributionError as e:
@@ -1019,7 +1019,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         async for _ in stream:
             if part_index >= self.tensor_part_reducer.num_parts:
                 break
-            reply, _ = await asyncio.wait_for(self._reply_slot(part_index), self.reducer_timeout)
+            reply, _ = await asyncio.wait_for(asyncio.shield(self._reply_slot(part_index)), self.reducer_timeout)
             yield self._answer(reply)
             part_index += 1
 
@@ -1045,7 +1045,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         return part
 
     def _reply_slot(self, part_index: int) -> asyncio.Future:
-        """The future of the one message every sender gets for this part, (message, decoded)."""
+        """The future of the one message every sender gets for this part, (message, decoded). Shared: await it
+        shielded, or one sender's cancelled stream cancels it for all."""
         if part_index not in self._replies:
             self._replies[part_index] = asyncio.get_running_loop().create_future()
         return self._replies[part_index]
@@ -1129,7 +1130,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         buffers = []
         for part_index, part in enumerate(self.parts_for_local_averaging):
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, self.weight)
-            message, decoded = await self._reply_for(part_index, averaged)
+            message, decoded = await asyncio.shield(self._reply_for(part_index, averaged))
             buffers.append(message.buffer)
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
         self.reply_digests[peer_index] = span_digest(buffers)
