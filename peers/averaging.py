@@ -908,7 +908,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
 
     Outputs are the averaged values themselves (hivemind's runner yields deltas); a failed reducer's span is
     zero, and `lost_spans` says where. Peers in `banned` take no part in our average: their parts are left out of
-    our span (but answered) and their spans' answers are not used (lost), though they get our parts. `rejected` says who sent or answered something refused this round, and why.
+    our span (but answered) and their spans' answers are not used (lost), though they get our parts. `rejected`
+    says who sent or answered something refused this round, and why.
     `tensors` must be views of one flat buffer: a part's storage offset is then its position in the model, which
     locates lost spans and indexes the reducer residual (None: no reducer error feedback) whichever span this
     peer reduces in a round.
