@@ -12,7 +12,8 @@ with its averager altered by tests/attacks.py (the attacks live with the tests, 
 - heavy_sign_flip    the same, claiming 10^12 tokens
 - scaled             sends 90x its update, just under the contribution norm bound (100x)
 - lying_reducer      as a reducer, answers -50x the true average of its span, to everyone
-- two_faced_reducer  as a reducer, the truth to one groupmate and 50x it to the others
+- two_faced_reducer  as a reducer, the truth to one groupmate and 50x it to the others, each signed
+- two_faced_unsigned the same, with the true average's signature on every answer (no evidence of the lies)
 - alie               "A Little Is Enough": mean - 1 std of the honest updates it knows (its own last two)
 - alie_pair          two colluders sending mean - 1 std of their own two honest updates, the same vector
 
@@ -45,7 +46,8 @@ from swarm_convergence import PEER_ENV, _global_weights, _wait_for, val_loss
 
 ATTACKS_SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "attacks.py"
 DEFAULT_ROWS = ("clean:4,mean:4,clean:3,sign_flip:3+1,heavy_sign_flip:3+1,scaled:3+1,lying_reducer:3+1,"
-                "two_faced_reducer:3+1,alie:3+1,alie_pair:3+2,sign_flip:2+1,lying_reducer:2+1,two_faced_reducer:2+1")
+                "two_faced_reducer:3+1,two_faced_unsigned:3+1,alie:3+1,alie_pair:3+2,sign_flip:2+1,heavy_sign_flip:2+1,"
+                "scaled:2+1,lying_reducer:2+1,two_faced_reducer:2+1,two_faced_unsigned:2+1")
 
 
 def parse_row(row: str) -> tuple[str, int, int]:

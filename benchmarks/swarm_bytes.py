@@ -44,6 +44,7 @@ from tscale_p2p.kernels.onebit import pack, unpack
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.codec import BLOCK_SIZE, CODECS, OneBitCodec, TopKCodec
 from tscale_p2p.peers.hivemind_seam import parts_sent_to
+from tscale_p2p.peers.span_agreement import SIGNATURE_BYTES, signature_message
 
 HIVEMIND_PART_SIZE_BYTES = 2**19  # hivemind's default
 ONEBIT_PART_SIZE_BYTES = 2**17  # SwarmAverager's default: 2**20 values per part
@@ -74,15 +75,19 @@ def round_bytes(shapes, codec, part_size_bytes: int, peers: int) -> dict[str, fl
             message_sizes[numel] = (up, down)
         return message_sizes[numel]
 
-    # the first message of each stream also carries its code and the 20-byte group id
+    # the first message of each stream also carries its code and the 20-byte group id; each answer stream ends
+    # with the reducer's signature of its span
     stream_header = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=bytes(20)).ByteSize()
+    signed = isinstance(codec, (OneBitCodec, TopKCodec))  # SwarmAverager's; hivemind's runner signs nothing
+    signature = signature_message(bytes(SIGNATURE_BYTES)).ByteSize() if signed else 0
     sent = received = 0
     for reducer in range(1, peers):  # peer 0 sends its parts of the other spans and gets their averages back
-        sent += stream_header
+        sent, received = sent + stream_header, received + signature
         for part in parts_sent_to(container, reducer):
             up, down = sizes(part.numel())
             sent, received = sent + up, received + down
     received += (peers - 1) * stream_header  # peer 0 reduces its own span: every other peer streams to it
+    sent += (peers - 1) * signature
     for part in parts_sent_to(container, 0):
         up, down = sizes(part.numel())
         received, sent = received + (peers - 1) * up, sent + (peers - 1) * down
@@ -92,7 +97,7 @@ def round_bytes(shapes, codec, part_size_bytes: int, peers: int) -> dict[str, fl
         sent=sent,
         received=received,
         up_bits=8 * sum(sizes(n)[0] for n in all_parts) / values,
-        down_bits=8 * sum(sizes(n)[1] for n in all_parts) / values,
+        down_bits=8 * (sum(sizes(n)[1] for n in all_parts) + peers * signature) / values,
     )
 
 

@@ -22,7 +22,9 @@ One round, seen from a peer (all of it in the averager's child process; packing 
 
 4. **Agree on the spans.** Each peer then sends its groupmates a digest of every span's average it took, and
    drops a span a groupmate got otherwise (peers/span_agreement.py): a reducer that lies to some groupmates
-   and tells others the truth loses its span on all of them alike, instead of splitting their weights.
+   and tells others the truth loses its span on all of them alike, instead of splitting their weights. With an
+   `identity`, a reducer signs its span's average; groupmates that hold two different signed averages of one
+   span show each other, and ban its reducer.
 
 A span whose reducer fails or sends something invalid contributes zero for that round (identically on every
 peer of the group, through the digests) and what each sender sent for it goes back into its residual; if the
@@ -74,6 +76,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
@@ -84,6 +87,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, attach_event_on_finished
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
 
 from tscale_p2p.peers.codec import OneBitCodec, SwarmCodec, TopKCodec
@@ -100,11 +104,17 @@ from tscale_p2p.peers.span_agreement import (
     NO_AVERAGE,
     REFUSED,
     DigestInboxes,
+    EvidenceBooks,
+    SpanSigner,
     believed,
+    bound_key,
     digest_message,
     disputed_spans,
+    evidence_message,
     outvoted_reducers,
+    signature_message,
     span_digest,
+    verify_span,
 )
 from tscale_p2p.peers.state_download import StateCheck, download_checked_state
 
@@ -290,6 +300,11 @@ def _declared_tokens(gathered: Any) -> float:
     return tokens if math.isfinite(tokens) and tokens > 0 else 0.0
 
 
+def _declared_key(gathered: Any) -> Any:
+    """The span key a groupmate declared (None if absent); remote data: see `bound_key`."""
+    return gathered.get("key") if isinstance(gathered, dict) else None
+
+
 def _declared_metadata(gathered: Any) -> Any:
     """The `metadata` a groupmate passed to start_round (None if absent); remote data: the caller validates it."""
     return gathered.get("metadata") if isinstance(gathered, dict) else None
@@ -336,6 +351,9 @@ class SwarmAverager(AveragerBase):
       state sharing is on exactly when this is given
     :param state_check: what a state downloaded by `load_state_from_peers` must be; with it, the download takes
       the base most signed offers announce and checks what it receives (peers/state_download.py)
+    :param identity: the private key this peer's id is the hash of (`join` passes its libp2p identity key): it
+      vouches for a span key that signs this peer's span's averages, so groupmates can prove to each other that a
+      reducer lied (peers/span_agreement.py). Without it this peer's spans are unsigned, and checked as before.
     :param kwargs: passed to `hivemind.averaging.DecentralizedAverager` (e.g. client_mode, bandwidth)
     """
 
@@ -357,6 +375,7 @@ class SwarmAverager(AveragerBase):
         reducer_error_feedback: bool = False,
         state_source: Optional[Callable[[], tuple[Any, Sequence[torch.Tensor]]]] = None,
         state_check: Optional[StateCheck] = None,
+        identity: Optional[RSAPrivateKey] = None,
         start: bool = True,
         **kwargs,
     ):
@@ -374,6 +393,7 @@ class SwarmAverager(AveragerBase):
             raise ValueError(f"residual_carry must be in [0, 1] or None, got {residual_carry}")
         self.residual_carry, self.reducer_error_feedback = residual_carry, reducer_error_feedback
         self._state_source, self._state_check = state_source, state_check
+        self._span_signer = SpanSigner.of(identity) if identity is not None else None
 
         sizes = [t.numel() for t in template]
         self._flat = torch.zeros(sum(sizes)).share_memory_()  # pseudo-gradient in, average out
@@ -392,6 +412,7 @@ class SwarmAverager(AveragerBase):
         self._step_finished = mp.Event()  # the averager process is done with the buffers of the last round
         self._step_finished.set()
         self._digest_inboxes = DigestInboxes()  # used in the averager process only
+        self._evidence_books = EvidenceBooks()  # likewise
 
         request_timeout = request_timeout if request_timeout is not None else min(3.0, matchmaking_time / 2)
         client_mode = kwargs.get("client_mode")
@@ -451,7 +472,7 @@ class SwarmAverager(AveragerBase):
         try:
             self._set_round_group_size(group_size)
             control = self.step(
-                gather=dict(tokens=float(tokens), metadata=metadata), weight=float(tokens),
+                gather=self._gather(tokens, metadata), weight=float(tokens),
                 scheduled_time=get_dht_time() + wait_s, timeout=wait_s + self.round_timeout,
                 require_trigger=True, wait=False,
             )
@@ -513,7 +534,7 @@ class SwarmAverager(AveragerBase):
                 traffic_before = tuple(self._traffic.tolist())
                 self._set_round_group_size(group_size)
                 control = self.step(
-                    gather=dict(tokens=float(tokens), metadata=metadata), weight=float(tokens),
+                    gather=self._gather(tokens, metadata), weight=float(tokens),
                     timeout=self.round_timeout, wait=False,
                 )
             else:
@@ -527,6 +548,11 @@ class SwarmAverager(AveragerBase):
             raise
         self._pending = PendingRound(self, control, traffic_before)
         return self._pending
+
+    def _gather(self, tokens: float, metadata: Any) -> dict:
+        """What this peer declares to its group: its weight, the caller's metadata, its span key if any."""
+        key = self._span_signer.declaration if self._span_signer is not None else None
+        return dict(tokens=float(tokens), metadata=metadata, key=key)
 
     def _check_contribution(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float) -> None:
         _check_tokens(tokens)
@@ -672,6 +698,7 @@ class SwarmAverager(AveragerBase):
             self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
         sent = await self._outgoing
         declared = self._declared(group_info)
+        keys = [bound_key(_declared_key(item), peer) for peer, item in zip(group_info.peer_ids, declared)]
         self._digest_inboxes.open(group_id, group_info.peer_ids)  # a groupmate may end its all-reduce before us
         try:
             runner = self._make_runner(
@@ -688,12 +715,15 @@ class SwarmAverager(AveragerBase):
                 reducer_residual=self._reducer_residual if self.reducer_error_feedback else None,
                 max_norm_ratio=self.max_norm_ratio,
                 traffic=self._traffic,
+                signer=self._span_signer,
+                reducer_keys=keys,
                 **kwargs,
             )
             self.register_runner(group_id, runner)
             disputed: dict[PeerID, list[tuple[int, int]]] = {}
             try:
                 averaged = [tensor async for tensor in runner]
+                self._evidence_books.keep(group_id, group_info.peer_ids, keys, runner.signed_copies)
                 disputed = await self._agree_on_spans(runner, group_id)
             finally:
                 self._round_dropped.fill_(len(runner.dropped_peers | set(disputed)))
@@ -729,8 +759,9 @@ class SwarmAverager(AveragerBase):
         # Everyone's digests count, a banned peer's too: groupmates that have not banned it count them, and
         # agreement needs the same digests on every peer. Not awaited: senders that went silent (gone, likely).
         alive = [peer for peer in others if peer in runner.banned or peer not in runner.dropped_peers]
-        received = believed(mine, await self._digest_inboxes.wait(group_id, [] if self.client_mode else alive,
-                                                                  SPAN_AGREEMENT_TIMEOUT_S))
+        reported = await self._digest_inboxes.wait(group_id, [] if self.client_mode else alive, SPAN_AGREEMENT_TIMEOUT_S)
+        self._show_evidence(runner, group_id, reported)
+        received = believed(mine, reported)
         dropped = {}
         for index in sorted(disputed_spans(mine, received)):
             if mine[index] in (NO_AVERAGE, REFUSED):
@@ -742,12 +773,35 @@ class SwarmAverager(AveragerBase):
             runner.refuse_reducer(peers[index], "an average most of its group refused or got otherwise")
         return dropped
 
+    def _show_evidence(self, runner: "_OneBitAllReduceRunner", group_id: bytes,
+                       reported: dict[PeerID, Sequence[bytes]]) -> None:
+        """Send each groupmate that reports another average of a span than ours our signed copy of it (in the
+        background): if it holds a signed copy too, one of them proves its reducer a liar (`rpc_span_evidence`)."""
+        mine = runner.reply_digests
+        for peer, digests in reported.items():
+            shown = {index: copy for index, copy in runner.signed_copies.items()
+                     if digests[index] not in (mine[index], NO_AVERAGE)}
+            if shown:
+                asyncio.ensure_future(self._call(peer, "rpc_span_evidence", evidence_message(group_id, shown)))
+
     async def _send_digests(self, peer: PeerID, message: averaging_pb2.AveragingData) -> None:
+        await self._call(peer, "rpc_span_digests", message)
+
+    async def _call(self, peer: PeerID, rpc: str, message: averaging_pb2.AveragingData) -> None:
         try:
-            await type(self).get_stub(self.p2p, peer, namespace=self.prefix).rpc_span_digests(
-                message, timeout=SPAN_AGREEMENT_TIMEOUT_S)
+            stub = type(self).get_stub(self.p2p, peer, namespace=self.prefix)
+            await getattr(stub, rpc)(message, timeout=SPAN_AGREEMENT_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  (it left, or is slow: it then falls back on what it saw)
-            logger.debug("could not send span digests to %s: %r", peer, e)
+            logger.debug("could not send %s to %s: %r", rpc, peer, e)
+
+    async def rpc_span_evidence(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        """A groupmate's signed copies of spans we got other averages of: a reducer that signed both is banned."""
+        for liar in self._evidence_books.equivocators(context.remote_id, request):
+            self._reputation.convict(liar.to_base58(), "signed two different averages of its span")
+            self._banned_count.fill_(len(self._reputation.banned))
+        return averaging_pb2.AveragingData()
 
     async def rpc_span_digests(
         self, request: averaging_pb2.AveragingData, context: P2PContext
@@ -927,9 +981,13 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         traffic: torch.Tensor,
         banned: frozenset = frozenset(),
         out_of_step: frozenset = frozenset(),
+        signer: Optional[SpanSigner] = None,
+        reducer_keys: Optional[Sequence[Optional[Ed25519PublicKey]]] = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.signer = signer  # signs our span's digest (peers/span_agreement.py); None: we send no signature
+        self.reducer_keys = list(reducer_keys) if reducer_keys is not None else [None] * len(self.ordered_peer_ids)
         self.codec, self.reducer_residual, self.max_norm_ratio, self.traffic = (
             codec, reducer_residual, max_norm_ratio, traffic
         )
@@ -954,6 +1012,9 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         # group to compare (peers/span_agreement.py); REFUSED where we refused it (or banned its reducer),
         # NO_AVERAGE where we took none for another reason
         self.reply_digests: list[bytes] = [NO_AVERAGE] * len(self.ordered_peer_ids)
+        # per reducer index: (digest, signature) of the bytes it sent us with a valid signature, taken or refused
+        self.signed_copies: dict[int, tuple[bytes, bytes]] = {}
+        self._signature: Optional[asyncio.Future] = None  # ours, of our span's digest
         # where each reducer's parts lie in the flat vector (taken now: the container forgets its parts when done)
         self._span_ranges = [
             [(part.storage_offset(), part.storage_offset() + part.numel())
@@ -1004,6 +1065,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
                 reply, _ = await asyncio.shield(self._reply_for(part_index, averaged))
                 yield self._answer(reply)
                 part_index += 1
+            if part_index == self.tensor_part_reducer.num_parts:
+                yield await self._signature_message()
         except InvalidContributionError as e:
             logger.warning("dropping %s from this round: part %d is invalid (%s)", sender, part_index, e)
             self._invalid.setdefault(sender, f"an invalid part ({e})")
@@ -1023,6 +1086,24 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             reply, _ = await asyncio.wait_for(asyncio.shield(self._reply_slot(part_index)), self.reducer_timeout)
             yield self._answer(reply)
             part_index += 1
+        if part_index == self.tensor_part_reducer.num_parts:
+            yield await self._signature_message()
+
+    async def _signature_message(self) -> averaging_pb2.AveragingData:
+        """The message after a sender's last answer: our signature of the span's digest, made once (empty bytes
+        without a span key). Every part's answer exists by then: the sender got them all."""
+        if self._signature is None:
+            self._signature = asyncio.ensure_future(self._sign_span())
+        message = signature_message(await asyncio.shield(self._signature))
+        self.traffic[_SENT] += message.ByteSize()
+        return message
+
+    async def _sign_span(self) -> bytes:
+        replies = [await asyncio.shield(self._reply_slot(i)) for i in range(self.tensor_part_reducer.num_parts)]
+        if self.signer is None:
+            return b""
+        digest = span_digest(message.buffer for message, _ in replies)
+        return self.signer.sign(self.group_id, self.ordered_peer_ids.index(self.peer_id), digest)
 
     def _answer(self, reply: runtime_pb2.Tensor) -> averaging_pb2.AveragingData:
         self.traffic[_SENT] += reply.ByteSize()
@@ -1144,32 +1225,52 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         if self.should_delay_results(self.peer_id):
             await done_sending.wait()
         sent_parts = parts_sent_to(self.tensor_part_container, peer_index)
-        answers, buffers = [], []  # the decoded averages, and the bytes they came in
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        answers, buffers, signature = [], [], None  # the decoded averages, the bytes they came in, its signature
+        refusal: Optional[InvalidContributionError] = None
         agreement, sent_squared, answer_squared, span = 0.0, 0.0, 0.0, 0  # their dot product with what we sent
-        async for message in aiter_with_timeout(stream, self.reducer_timeout):
-            self.traffic[_RECEIVED] += message.ByteSize()
-            self.traffic[_VALUES_RECEIVED] += math.prod(message.tensor_part.size)
-            if message.code != averaging_pb2.AVERAGED_PART:
-                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-            # A reply always follows the part it answers, so that part's shape is already recorded.
-            part_index = len(answers)
-            shape, sent_norm = self._sent_parts[peer_index][part_index]
-            averaged = await loop.run_in_executor(None, _decode_part, self.codec.return_trip, message.tensor_part,
-                                                  shape)
-            try:
-                self._check_reply_norm(averaged, sent_norm)
-            except InvalidContributionError as e:
-                self._invalid.setdefault(peer_id, f"an invalid average ({e})")
+        try:
+            async for message in aiter_with_timeout(stream, self.reducer_timeout):
+                self.traffic[_RECEIVED] += message.ByteSize()
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                if len(buffers) == expected:  # after the last part: the reducer's signature of its span
+                    signature = message.tensor_part.buffer
+                    break
+                self.traffic[_VALUES_RECEIVED] += math.prod(message.tensor_part.size)
+                buffers.append(message.tensor_part.buffer)
+                if refusal is not None:
+                    continue  # refused already; its bytes and signature may still prove a lie
+                # A reply always follows the part it answers, so that part's shape is already recorded.
+                part_index = len(answers)
+                shape, sent_norm = self._sent_parts[peer_index][part_index]
+                averaged = await loop.run_in_executor(None, _decode_part, self.codec.return_trip,
+                                                      message.tensor_part, shape)
+                try:
+                    self._check_reply_norm(averaged, sent_norm)
+                except InvalidContributionError as e:
+                    refusal = e
+                    continue
+                sent = sent_parts[part_index]
+                agreement += float(averaged.reshape(-1) @ sent.reshape(-1))
+                sent_squared += float(sent.norm()) ** 2
+                answer_squared += float(averaged.norm()) ** 2
+                span += sent.numel()
+                answers.append(averaged)
+            digest, key = span_digest(buffers), self.reducer_keys[peer_index]
+            if signature is not None and verify_span(key, self.group_id, peer_index, digest, signature):
+                self.signed_copies[peer_index] = (digest, signature)
+            elif refusal is None and key is not None and signature is not None:
+                refusal = InvalidContributionError("its signature does not match")
+            if refusal is None and key is not None and signature is None and len(buffers) == expected:
+                raise AllreduceException(f"{peer_id} sent no signature of its span")
+        finally:
+            if refusal is not None:  # whatever ended the stream, a refused average counts against its reducer
+                self._invalid.setdefault(peer_id, f"an invalid average ({refusal})")
                 self.reply_digests[peer_index] = REFUSED
-                raise
-            sent = sent_parts[part_index]
-            agreement += float(averaged.reshape(-1) @ sent.reshape(-1))
-            sent_squared += float(sent.norm()) ** 2
-            answer_squared += float(averaged.norm()) ** 2
-            span += sent.numel()
-            answers.append(averaged)
-            buffers.append(message.tensor_part.buffer)
-        if len(answers) != self.tensor_part_container.num_parts_by_peer[peer_index]:
+        if refusal is not None:
+            raise refusal
+        if len(answers) != expected:
             raise AllreduceException(f"{peer_id} answered {len(answers)} parts instead of all")
         noise = AGREEMENT_SIGMAS * math.sqrt(sent_squared * answer_squared / max(span, 1))
         if agreement < -noise and self.weight >= self.median_tokens / 2:
@@ -1180,7 +1281,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             raise AllreduceException(f"{peer_id}'s average points away from our part of its span")
         for part_index, averaged in enumerate(answers):  # only now: a span refused above is lost as a whole
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
-        self.reply_digests[peer_index] = span_digest(buffers)
+        self.reply_digests[peer_index] = digest
 
     def _check_reply_norm(self, averaged: torch.Tensor, sent_norm: float) -> None:
         """Refuse an average that cannot be the robust aggregate of a group that includes our part: one longer

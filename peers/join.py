@@ -209,6 +209,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
             residual_carry=ERROR_FEEDBACK_CARRY[options.swarm.error_feedback or DEFAULT_ERROR_FEEDBACK[run.codec]],
             state_source=state_source,
             state_check=StateCheck.of(options.run_id, run, template),
+            identity=signing_key(dht),  # our span's averages go out signed with our peer id's key
             client_mode=client_mode,
             allow_state_sharing=False,  # switched on once this peer holds the swarm's state
         )

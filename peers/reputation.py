@@ -3,9 +3,10 @@
 A groupmate is rejected in a round when, as a sender, a part it sent for our span was malformed, not finite,
 over the norm bound, or flagged by the robust rule (peers/robust.py), or when, as a reducer, an average it sent
 us was malformed or failed our check. Network trouble (timeouts, a peer that left) is never a rejection: a slow
-volunteer is not an attacker. A peer rejected in `BAN_AFTER` rounds is banned for the rest of the run, by this
-peer only (there is no swarm-wide list a liar could write to): its parts are left out, its spans' answers
-unused, and groups with it are refused where this peer leads them and skipped where it would follow.
+volunteer is not an attacker. A peer rejected in `BAN_AFTER` rounds, or proven once to have signed two different
+averages of its span (`convict`, peers/span_agreement.py), is banned for the rest of the run, by this peer only
+(there is no swarm-wide list a liar could write to): its parts are left out, its spans' answers unused, and
+groups with it are refused where this peer leads them and skipped where it would follow.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ class PeerReputation:
                 logger.warning("rejected %s this round (%s); %d more such round(s) and it is banned",
                                peer, reason, self.ban_after - self.strikes[peer])
         return newly_banned
+
+    def convict(self, peer: str, reason: str) -> None:
+        """Ban `peer` at once: it was proven to lie (peers/span_agreement.py), no strikes needed."""
+        if peer not in self.banned:
+            self.banned[peer] = reason
+            logger.warning("banning %s for the rest of the run: %s", peer, reason)
 
     def is_banned(self, peer: str) -> bool:
         return peer in self.banned

@@ -17,18 +17,37 @@ liar gains by disputing is bounded: a vector that differs from ours on more than
 honest peer lied to by one reducer differs on exactly one), so it can make its group drop at most one span a
 round. Agreement among peers that some digests never reach within the wait is not guaranteed; they fall back to
 what they saw themselves.
+
+**Signed spans break the tie.** A reducer that declared a span key when the group formed signs its span's digest
+once (`SpanSigner.sign`, over the group id, its index and the digest) and sends that signature after its last
+part. The span key is an Ed25519 key of the session (64-byte signatures, against 256 for the RSA identity key:
+one goes with every answer stream), vouched for by the RSA key the peer's id is the hash of (`bound_key`); a groupmate refuses an average whose signature does
+not verify. A reducer that signs two different averages of one span in one group has proved itself a liar: when
+a dispute shows up, each peer that holds a signed copy sends it to the groupmates that report otherwise
+(`evidence_message`), and a peer that gets a validly signed digest other than its own signed copy bans the
+reducer at once (`EvidenceBooks`). Nobody can forge another peer's signature, so this frames no honest reducer,
+and a dispute costs no bytes without a dispute. A liar can still deny a groupmate a valid signature (or any
+answer): that peer refuses the span, which proves nothing to the others, and the rules above apply.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Collection, Iterable, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MSGPackSerializer
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from tscale_p2p.peers.records import peer_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +55,9 @@ DIGEST_BYTES = hashlib.sha256().digest_size
 NO_AVERAGE = bytes(DIGEST_BYTES)  # the digest of a span this peer has no average of (timed out, empty)
 REFUSED = b"\xff" * DIGEST_BYTES  # of a span whose average this peer refused (invalid) or whose reducer it banned
 MAX_PENDING_GROUPS = 4  # inboxes kept at once: a round's, and a few stale ones a slow peer may still reach
+SIGNATURE_BYTES = 64  # an Ed25519 signature
+_STATEMENT = b"tscale-p2p span average\x00"
+_VOUCH = b"tscale-p2p span key\x00"
 
 
 def span_digest(buffers: Iterable[bytes]) -> bytes:
@@ -61,6 +83,87 @@ def read_digests(message: averaging_pb2.AveragingData, group_size: int) -> list[
     if list(part.size) != [group_size, DIGEST_BYTES] or len(part.buffer) != group_size * DIGEST_BYTES:
         return None
     return [part.buffer[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(group_size)]
+
+
+@dataclass(frozen=True)
+class SpanSigner:
+    """This peer's span key: an Ed25519 key of the session, and what it declares to its groups (its identity
+    key, the span key, and the identity key's signature of the span key)."""
+
+    private: bytes  # raw Ed25519 private key (bytes, so that the averager process can be forked or spawned)
+    declaration: tuple[bytes, bytes, bytes]
+
+    @classmethod
+    def of(cls, identity: RSAPrivateKey) -> "SpanSigner":
+        key = Ed25519PrivateKey.generate()
+        public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        vouch = base64.b64decode(identity.sign(_VOUCH + public))
+        return cls(key.private_bytes_raw(), (identity.get_public_key().to_bytes(), public, vouch))
+
+    def sign(self, group_id: bytes, reducer_index: int, digest: bytes) -> bytes:
+        """Our signature of our span's digest in group `group_id`, where we are reducer `reducer_index`."""
+        return Ed25519PrivateKey.from_private_bytes(self.private).sign(_statement(group_id, reducer_index, digest))
+
+
+def bound_key(declared: Any, peer: PeerID) -> Ed25519PublicKey | None:
+    """The span key in a groupmate's declaration (`SpanSigner.declaration`, as msgpack hands it over) if the
+    identity key in it is the key of its peer id and vouches for it; else None (remote data: never raises)."""
+    try:
+        identity, public, vouch = declared
+        if not (isinstance(identity, bytes) and isinstance(public, bytes) and isinstance(vouch, bytes)):
+            return None
+        if peer_id_of(identity) != peer.to_base58():
+            return None
+        if not RSAPublicKey.from_bytes(identity).verify(_VOUCH + public, base64.b64encode(vouch)):
+            return None
+        return Ed25519PublicKey.from_public_bytes(public)
+    except (TypeError, ValueError):
+        return None
+
+
+def _statement(group_id: bytes, reducer_index: int, digest: bytes) -> bytes:
+    return _STATEMENT + len(group_id).to_bytes(2, "little") + group_id + reducer_index.to_bytes(2, "little") + digest
+
+
+def verify_span(key: Ed25519PublicKey | None, group_id: bytes, reducer_index: int, digest: bytes,
+                signature: bytes) -> bool:
+    """Whether `signature` is `key`'s signature of that span digest (False without a key)."""
+    if key is None or not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        key.verify(signature, _statement(group_id, reducer_index, digest))
+    except InvalidSignature:
+        return False
+    return True
+
+
+def signature_message(signature: bytes) -> averaging_pb2.AveragingData:
+    """What a reducer sends after its span's last part: its signature (empty without a declared key)."""
+    part = runtime_pb2.Tensor(buffer=signature, size=[len(signature)], dtype="uint8")
+    return averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=part)
+
+
+def evidence_message(group_id: bytes, copies: Mapping[int, tuple[bytes, bytes]]) -> averaging_pb2.AveragingData:
+    """Signed copies we hold (reducer index -> (digest, signature)), to show groupmates that got other bytes."""
+    rows = MSGPackSerializer.dumps([[index, digest, signature] for index, (digest, signature) in sorted(copies.items())])
+    return averaging_pb2.AveragingData(
+        group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=rows, size=[len(rows)], dtype="uint8"))
+
+
+def read_evidence(message: averaging_pb2.AveragingData, group_size: int) -> dict[int, tuple[bytes, bytes]] | None:
+    """The signed copies in a groupmate's evidence message, or None where it is malformed (remote data)."""
+    if len(message.tensor_part.buffer) > group_size * (SIGNATURE_BYTES + DIGEST_BYTES + 16):
+        return None
+    try:
+        rows = MSGPackSerializer.loads(message.tensor_part.buffer)
+        copies = {index: (digest, signature) for index, digest, signature in rows}
+    except Exception:  # noqa: BLE001  (msgpack and the unpacking raise many kinds on garbage)
+        return None
+    for index, (digest, signature) in copies.items():
+        if not (isinstance(index, int) and 0 <= index < group_size and isinstance(digest, bytes)
+                and len(digest) == DIGEST_BYTES and isinstance(signature, bytes)):
+            return None
+    return copies
 
 
 def believed(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]) -> dict[PeerID, Sequence[bytes]]:
@@ -148,3 +251,43 @@ class DigestInboxes:
         if missing:
             logger.info("no span digests from %d groupmate(s) within %.1f s", len(missing), timeout)
         return dict(inbox.received)
+
+
+@dataclass(frozen=True)
+class _Book:
+    peers: tuple
+    keys: tuple  # each reducer's span key (`bound_key`), or None
+    copies: dict  # reducer index -> (digest, signature) we hold, its signature checked
+
+
+class EvidenceBooks:
+    """The signed copies of a few recent groups' spans, to check groupmates' evidence against (it may arrive
+    after our all-reduce has ended)."""
+
+    def __init__(self) -> None:
+        self._books: dict[bytes, _Book] = {}
+
+    def keep(self, group_id: bytes, peers: Sequence[PeerID], keys: Sequence[Ed25519PublicKey | None],
+             copies: Mapping[int, tuple[bytes, bytes]]) -> None:
+        while len(self._books) >= MAX_PENDING_GROUPS:
+            self._books.pop(next(iter(self._books)))
+        self._books[group_id] = _Book(tuple(peers), tuple(keys), dict(copies))
+
+    def equivocators(self, sender: PeerID, message: averaging_pb2.AveragingData) -> list[PeerID]:
+        """The reducers that `sender`'s evidence proves signed another digest of their span than the one they
+        signed to us."""
+        book = self._books.get(message.group_id)
+        if book is None or sender not in book.peers:
+            return []
+        copies = read_evidence(message, len(book.peers))
+        if copies is None:
+            logger.info("ignoring malformed span evidence from %s", sender)
+            return []
+        proven = []
+        for index, (digest, signature) in copies.items():
+            ours = book.copies.get(index)
+            if ours is None or ours[0] == digest:
+                continue
+            if verify_span(book.keys[index], message.group_id, index, digest, signature):
+                proven.append(book.peers[index])
+        return proven

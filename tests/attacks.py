@@ -21,7 +21,7 @@ from hivemind.averaging.partition import TensorPartReducer
 from hivemind.proto import averaging_pb2
 
 from tscale_p2p.peers.averaging import SwarmAverager, _OneBitAllReduceRunner
-from tscale_p2p.peers.span_agreement import DIGEST_BYTES, digest_message
+from tscale_p2p.peers.span_agreement import DIGEST_BYTES, digest_message, signature_message, span_digest
 
 ALIE_Z = 1.0  # "A Little Is Enough": shift each coordinate by this many standard deviations of the honest ones
 
@@ -42,15 +42,29 @@ SENDER_ATTACKS["heavy_sign_flip"] = SENDER_ATTACKS["sign_flip"]
 
 
 class _LyingRunner(_OneBitAllReduceRunner):
-    """Reduces honestly, then answers each sender with `factor(runner, sender)` times the average."""
+    """Reduces honestly, then answers each sender with `factor(runner, sender)` times the average, and signs
+    what each sender got, as an honest reducer signs its one answer."""
 
     factor: Callable = staticmethod(lambda runner, sender: -50.0)
+    sign_lies: bool = True  # False: every sender gets the signature of the true average, valid for none of the lies
 
     async def accumulate_parts_streaming(self, stream, sender_index: int):
         factor = self.factor(self, self.sender_peer_ids[sender_index])
+        sent = []
         async for message in super().accumulate_parts_streaming(stream, sender_index):
-            lie = self.codec.compress(self.codec.extract(message.tensor_part) * factor, info=None)
-            yield averaging_pb2.AveragingData(code=message.code, tensor_part=lie)
+            if len(sent) == self.tensor_part_reducer.num_parts:  # the signature of the span, last
+                yield signature_message(self._sign(span_digest(sent))) if self.sign_lies else message
+                return
+            if factor != 1.0:
+                lie = self.codec.compress(self.codec.extract(message.tensor_part) * factor, info=None)
+                message = averaging_pb2.AveragingData(code=message.code, tensor_part=lie)
+            sent.append(message.tensor_part.buffer)
+            yield message
+
+    def _sign(self, digest: bytes) -> bytes:
+        if self.signer is None:
+            return b""
+        return self.signer.sign(self.group_id, self.ordered_peer_ids.index(self.peer_id), digest)
 
 
 def _truth_to_one(runner: _LyingRunner, sender) -> float:
@@ -63,9 +77,11 @@ class LyingReducer(SwarmAverager):
     """A reducer that sends -50x the true average of its span to everyone."""
 
     factor: Callable = staticmethod(lambda runner, sender: -50.0)
+    sign_lies: bool = True
 
     def _make_runner(self, **kwargs):
-        return type("_LyingRunner", (_LyingRunner,), {"factor": staticmethod(self.factor)})(**kwargs)
+        attack = {"factor": staticmethod(self.factor), "sign_lies": self.sign_lies}
+        return type("_LyingRunner", (_LyingRunner,), attack)(**kwargs)
 
 
 LyingReducer.__name__ = "SwarmAverager"  # hivemind names a peer's RPC handlers after its class
@@ -87,6 +103,16 @@ class TwoFacedReducer(LyingReducer):
 
 
 TwoFacedReducer.__name__ = "SwarmAverager"
+
+
+class UnsignedTwoFacedReducer(TwoFacedReducer):
+    """A two-faced reducer that signs only the truth: those it lies to hold no valid signature of what they got,
+    so it leaves no evidence (peers/span_agreement.py)."""
+
+    sign_lies = False
+
+
+UnsignedTwoFacedReducer.__name__ = "SwarmAverager"
 
 class DisputingPeer(SwarmAverager):
     """Averages honestly, then tells every groupmate it got other averages of the spans `disputed` picks (of
@@ -128,7 +154,8 @@ class PlainMean(SwarmAverager):
 
 PlainMean.__name__ = "SwarmAverager"
 
-REDUCER_ATTACKS = {"lying_reducer": LyingReducer, "two_faced_reducer": TwoFacedReducer, "plain_mean": PlainMean}
+REDUCER_ATTACKS = {"lying_reducer": LyingReducer, "two_faced_reducer": TwoFacedReducer,
+                   "two_faced_unsigned": UnsignedTwoFacedReducer, "plain_mean": PlainMean}
 
 
 class _Colluder:

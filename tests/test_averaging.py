@@ -8,9 +8,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import weakref
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -19,6 +21,7 @@ import torch
 from tscale_p2p.kernels.onebit import pack, unpack
 from tscale_p2p.peers.averaging import SwarmAverager, keep_tasks_until_done
 from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec, TopKCodec
+from tscale_p2p.peers.records import IdentityKey
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -65,25 +68,31 @@ def random_grads(seed: int) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def swarm(codecs: list[OneBitCodec], averager_type: type | list[type] = SwarmAverager, **overrides):
+def swarm(codecs: list[OneBitCodec], averager_type: type | list[type] = SwarmAverager, identities: bool = False,
+          **overrides):
     """One DHT + averager (a SwarmAverager, or the type at its place in a list) per codec on 127.0.0.1, all shut
-    down afterwards."""
+    down afterwards; with `identities`, each peer has a libp2p identity file and signs its spans with its key,
+    as `join` peers do."""
     dhts, averagers = [], []
-    try:
-        for _ in codecs:
-            initial_peers = dhts[0].get_visible_maddrs() if dhts else None
-            dhts.append(hivemind.DHT(start=True, initial_peers=initial_peers))
-        template = [torch.zeros(shape) for shape in SHAPES]
-        types = averager_type if isinstance(averager_type, list) else [averager_type] * len(codecs)
-        for dht, codec, kind in zip(dhts, codecs, types):
-            options = {**AVERAGER_OPTIONS, **overrides}
-            averagers.append(kind(template, dht, prefix="test", codec=codec, **options))
-        yield averagers
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            keys = []
+            for index, _ in enumerate(codecs):
+                initial_peers = dhts[0].get_visible_maddrs() if dhts else None
+                path = str(Path(folder) / f"peer{index}.key") if identities else None
+                dhts.append(hivemind.DHT(start=True, initial_peers=initial_peers, identity_path=path))
+                keys.append(IdentityKey(path) if identities else None)
+            template = [torch.zeros(shape) for shape in SHAPES]
+            types = averager_type if isinstance(averager_type, list) else [averager_type] * len(codecs)
+            for dht, codec, kind, key in zip(dhts, codecs, types, keys):
+                options = {**AVERAGER_OPTIONS, **overrides}
+                averagers.append(kind(template, dht, prefix="test", codec=codec, identity=key, **options))
+            yield averagers
+        finally:
+            for averager in averagers:
+                averager.shutdown()
+            for dht in dhts:
+                dht.shutdown()
 
 
 def run_round(averagers, grads, tokens):

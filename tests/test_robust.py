@@ -264,6 +264,26 @@ def test_a_reducer_telling_peers_different_averages_loses_its_span_on_every_hone
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_a_reducer_signing_two_peers_different_averages_is_proven_a_liar_and_banned_by_both():
+    """2 honest peers + a two-faced reducer: in a group of three the peer told the truth cannot tell the liar from
+    the groupmate that refused its average. Signed spans settle it: each shows the other the average the reducer
+    signed to it, and both ban the reducer after one round, while applying the same average."""
+    kinds = [SwarmAverager] * 2 + [TwoFacedReducer]
+    with swarm([OneBitCodec() for _ in range(3)], averager_type=kinds, identities=True) as averagers:
+        honest, liar = averagers[:2], averagers[2]
+        outcomes = play(averagers, grads_of_round(0, 3), [1000.0] * 3, group_size=3)[:2]
+        got = [flat(o.averaged) for o in outcomes]
+        assert torch.equal(got[0], got[1]) and bool(torch.isfinite(got[0]).all())
+        assert 0.1 < float((got[0] == 0).float().mean()) < 0.6  # the liar's span, about a third
+        deadline = time.monotonic() + 20  # the evidence goes out in the background, after the digests
+        while time.monotonic() < deadline and not all(a.banned_count for a in honest):
+            time.sleep(0.2)
+        assert_banned_by_all(honest, [liar])
+        assert all("signed two different averages" in a.banned_peers()[peer(liar)] for a in honest)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("disputers, lost", [([DisputingPeer], 0), ([DisputingOnePeer], 1),
                                               ([DisputingOnePeer] * 2, 1)], ids=["all_spans", "one_span", "a_pair"])
 def test_groupmates_disputing_spans_cost_at_most_one_span_and_frame_nobody(disputers, lost):

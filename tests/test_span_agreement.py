@@ -5,18 +5,27 @@ import asyncio
 
 from hivemind.p2p import PeerID
 
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+from tscale_p2p.peers.records import owner_subkey, peer_id_of
 from tscale_p2p.peers.span_agreement import (
     DIGEST_BYTES,
     MAX_PENDING_GROUPS,
     NO_AVERAGE,
     REFUSED,
     DigestInboxes,
+    EvidenceBooks,
+    SpanSigner,
     believed,
+    bound_key,
     digest_message,
     disputed_spans,
+    evidence_message,
     outvoted_reducers,
     read_digests,
     span_digest,
+    verify_span,
 )
 
 PEERS = [PeerID(bytes([i]) * 34) for i in range(4)]
@@ -86,3 +95,61 @@ def test_inboxes_keep_the_first_well_formed_vector_of_each_member_of_an_open_gro
         assert await inboxes.wait(bytes([1]), PEERS[2:3], timeout=5) == {PEERS[2]: vector(1, 2, 3)}
 
     asyncio.run(scenario())
+
+
+def signer() -> tuple[SpanSigner, PeerID]:
+    """A span signer and the peer id of the identity key that vouches for it."""
+    identity = RSAPrivateKey()
+    return SpanSigner.of(identity), PeerID.from_base58(peer_id_of(owner_subkey(identity)))
+
+
+def test_a_declared_span_key_counts_only_when_its_peer_ids_key_vouches_for_it():
+    (key, peer), (other, other_peer) = signer(), signer()
+    assert bound_key(key.declaration, peer) is not None
+    assert bound_key(list(key.declaration), peer) is not None  # as msgpack hands it over
+    assert bound_key(key.declaration, other_peer) is None  # someone else's identity
+    identity, _, vouch = key.declaration
+    assert bound_key((identity, other.declaration[1], vouch), peer) is None  # a span key it did not vouch for
+    for bad in (None, 7, b"x", (b"ssh-rsa garbage", b"", b""), (identity, b"short", vouch), [identity]):
+        assert bound_key(bad, peer) is None
+
+
+def test_a_span_signature_covers_the_group_the_reducer_and_the_digest():
+    key, peer = signer()
+    public, digest = bound_key(key.declaration, peer), span_digest([b"average"])
+    signature = key.sign(b"group", 2, digest)
+    assert verify_span(public, b"group", 2, digest, signature)
+    assert not verify_span(public, b"other group", 2, digest, signature)
+    assert not verify_span(public, b"group", 1, digest, signature)
+    assert not verify_span(public, b"group", 2, span_digest([b"lie"]), signature)
+    assert not verify_span(None, b"group", 2, digest, signature)
+    assert not verify_span(public, b"group", 2, digest, b"")
+
+
+def test_evidence_proves_a_reducer_that_signed_two_averages_and_frames_no_honest_one():
+    """We took reducer 2's span (signed), a groupmate shows what 2 signed to it: another digest proves a lie; the
+    same digest, a forged signature, or a groupmate outside the group prove nothing."""
+    (key, liar), (forger_key, forger) = signer(), signer()
+    peers = [PEERS[0], forger, liar]
+    keys = [None, bound_key(forger_key.declaration, forger), bound_key(key.declaration, liar)]
+    truth, lie = span_digest([b"truth"]), span_digest([b"lie"])
+    books = EvidenceBooks()
+    books.keep(b"g", peers, keys, {2: (truth, key.sign(b"g", 2, truth))})
+    assert books.equivocators(forger, evidence_message(b"g", {2: (lie, key.sign(b"g", 2, lie))})) == [liar]
+    assert books.equivocators(forger, evidence_message(b"g", {2: (truth, key.sign(b"g", 2, truth))})) == []
+    forged = forger_key.sign(b"g", 2, lie)  # a groupmate cannot sign for the reducer
+    assert books.equivocators(forger, evidence_message(b"g", {2: (lie, forged)})) == []
+    assert books.equivocators(forger, evidence_message(b"g", {2: (lie, key.sign(b"other", 2, lie))})) == []
+    assert books.equivocators(PEERS[3], evidence_message(b"g", {2: (lie, key.sign(b"g", 2, lie))})) == []
+    assert books.equivocators(forger, evidence_message(b"unknown", {2: (lie, key.sign(b"g", 2, lie))})) == []
+
+
+def test_malformed_evidence_is_ignored():
+    key, liar = signer()
+    books = EvidenceBooks()
+    truth = span_digest([b"truth"])
+    books.keep(b"g", [PEERS[0], PEERS[1], liar], [None, None, bound_key(key.declaration, liar)],
+               {2: (truth, key.sign(b"g", 2, truth))})
+    for buffer in (b"\xc1garbage", b"\x90", b"\x91\x93\x07\xa0\xa0", b"x" * 10**6):
+        message = averaging_pb2.AveragingData(group_id=b"g", tensor_part=runtime_pb2.Tensor(buffer=buffer))
+        assert books.equivocators(PEERS[1], message) == []
