@@ -33,6 +33,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -156,6 +157,8 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="comma-separated ATTACK:HONEST+ATTACKERS")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each row (the table gives their mean): single runs differ by a few percent")
     parser.add_argument("--out", help="folder for the peer logs and results.json (default: a temporary one)")
     parser.add_argument("--aggregation-timing", action="store_true", help="time the rule on one part, then exit")
     args = parser.parse_args()
@@ -171,29 +174,40 @@ def main() -> None:
                                  outer_lr=DEFAULT_OUTER_LR, outer_momentum=DEFAULT_OUTER_MOMENTUM, start_state=None)
     vars(args).update({k: v for k, v in vars(model_args).items() if k not in vars(args)})
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="swarm-attacks-"))
-    results: dict[str, dict] = {}
+    results: dict[str, list[dict]] = {}
     started = time.monotonic()
-    for row in args.rows.split(","):
-        attack, honest, attackers = parse_row(row)
-        began = time.monotonic()
-        results[row] = run_swarm(args, attack, honest, attackers, out / row.replace(":", "-").replace("+", "_"))
-        result = results[row]
-        print(f"{row}: val {sum(result['losses']) / len(result['losses']):.4f} {result} "
-              f"({time.monotonic() - began:.0f} s)", file=sys.stderr, flush=True)
-        (out / "results.json").write_text(json.dumps(results, indent=2))
+    for repeat in range(args.repeats):  # whole passes, so that a slow spell of the machine hits every row alike
+        for row in args.rows.split(","):
+            attack, honest, attackers = parse_row(row)
+            began = time.monotonic()
+            folder = out / f"{row.replace(':', '-').replace('+', '_')}{f'-{repeat}' if args.repeats > 1 else ''}"
+            result = run_swarm(args, attack, honest, attackers, folder)
+            results.setdefault(row, []).append(result)
+            print(f"{row}: val {mean_loss(result):.4f} {result} ({time.monotonic() - began:.0f} s)", file=sys.stderr,
+                  flush=True)
+            (out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\n{args.model}, {args.steps} local steps per peer, H={args.inner_steps}, batch {args.batch_size}, "
           f"data {args.data}; {time.monotonic() - started:.0f} s in all; logs in {out}\n")
-    print("| row | honest val loss (mean / worst) | vs clean | finite | attackers banned by | wrong bans | "
+    print("| row | honest val loss (mean / worst) | each run | vs clean | finite | attackers banned by | wrong bans | "
           "round s | rounds |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for row, result in results.items():
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row, runs in results.items():
         attack, honest, attackers = parse_row(row)
-        mean = sum(result["losses"]) / len(result["losses"])
+        mean = statistics.mean(mean_loss(run) for run in runs)
         clean = results.get(f"clean:{honest + attackers}")
-        gap = f"{100 * (mean / (sum(clean['losses']) / len(clean['losses'])) - 1):+.2f}%" if clean else "-"
-        banned = f"{sum(b == attackers for b in result['banned_by'])}/{honest}" if attackers else "-"
-        print(f"| {row} | {mean:.4f} / {max(result['losses']):.4f} | {gap} | {'yes' if result['finite'] else 'NO'} | "
-              f"{banned} | {result['wrongly_banned']} | {result['round_s']:.2f} | {result['rounds']:.1f} |")
+        gap = f"{100 * (mean / statistics.mean(mean_loss(run) for run in clean) - 1):+.2f}%" if clean else "-"
+        banned = "-" if not attackers else " ".join(
+            f"{sum(b == attackers for b in run['banned_by'])}/{honest}" for run in runs)
+        print(f"| {row} | {mean:.4f} / {max(max(run['losses']) for run in runs):.4f} | "
+              f"{', '.join(f'{mean_loss(run):.4f}' for run in runs)} | {gap} | "
+              f"{'yes' if all(run['finite'] for run in runs) else 'NO'} | {banned} | "
+              f"{sum(run['wrongly_banned'] for run in runs)} | {statistics.mean(run['round_s'] for run in runs):.2f} | "
+              f"{statistics.mean(run['rounds'] for run in runs):.1f} |")
+
+
+def mean_loss(run: dict) -> float:
+    """The honest peers' mean val loss in one run."""
+    return sum(run["losses"]) / len(run["losses"])
 
 
 if __name__ == "__main__":

@@ -50,5 +50,10 @@ class PeerReputation:
             self.banned[peer] = reason
             logger.warning("banning %s for the rest of the run: %s", peer, reason)
 
+    @property
+    def caught(self) -> set[str]:
+        """Peers rejected in some round of the run, or banned."""
+        return set(self.strikes) | set(self.banned)
+
     def is_banned(self, peer: str) -> bool:
         return peer in self.banned

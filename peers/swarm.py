@@ -87,6 +87,8 @@ class RoundAverager(Protocol):
 
     def banned_peers(self) -> dict[str, str]: ...
 
+    def caught_peers(self) -> set[str]: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -418,11 +420,13 @@ class SwarmPeer:
             self._resync(flight, consensus, average)
 
     def _group_consensus(self, outcome: RoundOutcome) -> Base | None:
-        """The base most of the group declared, peers this one banned left out: a banned peer's parts were
-        ignored, and its vote must not pull this peer onto its weights (in a tie of two against two, it did)."""
-        banned = self.averager.banned_peers() if self.averager.banned_count else {}
+        """The base most of the group declared, peers this one has caught (rejected in some round, or banned)
+        left out: their parts or answers were refused, and their votes must not pull this peer onto weights
+        they may have poisoned (in a tie of two against two, they did: an attacker paired with an honest peer
+        in the swarm's first round outvoted the others' clean weights)."""
+        caught = self.averager.caught_peers()
         return group_consensus([metadata for peer, metadata in zip(outcome.group_peers, outcome.group_metadata)
-                                if peer not in banned])
+                                if peer not in caught])
 
     def _resync(self, flight: _InFlight, consensus: Base, average: dict) -> None:
         """Our round was formed on other global weights than most of the group's: download the swarm's state,

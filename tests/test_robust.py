@@ -18,7 +18,7 @@ from tscale_p2p.cli import main
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.codec import OneBitCodec
 from tscale_p2p.peers.reputation import PeerReputation
-from tscale_p2p.peers.robust import robust_aggregate
+from tscale_p2p.peers.robust import PAIR_NORM_RATIO, robust_aggregate
 
 D = 8192
 
@@ -72,6 +72,18 @@ def test_a_little_is_enough_pair_is_flagged_as_colluding_and_left_out():
     result = robust_aggregate(parts, torch.full((len(parts),), 1000.0))
     assert result.colluding == {honest_count, honest_count + 1} and not result.far
     assert relative(result.aggregate, honest_mean) < 1e-5
+
+
+def test_of_two_contributions_the_reducers_own_bounds_the_others_length():
+    """A reducer paired with an attacker sending 90x its update (under the contribution bound) moves the pair by at
+    most half of PAIR_NORM_RATIO times its own update; an honest pair is aggregated as before."""
+    own, other = honest_updates(2, seed=5)
+    tokens = torch.tensor([1000.0, 1000.0])
+    attacked = robust_aggregate(torch.stack([own, 90 * other]), tokens, own=0)
+    assert float(attacked.aggregate.norm()) <= (1 + PAIR_NORM_RATIO) / 2 * float(own.norm()) * 1.001
+    assert float(robust_aggregate(torch.stack([own, 90 * other]), tokens).aggregate.norm()) > 40 * float(own.norm())
+    honest = torch.stack([own, 3 * other])
+    assert torch.equal(robust_aggregate(honest, tokens, own=0).aggregate, robust_aggregate(honest, tokens).aggregate)
 
 
 def test_late_joiners_small_updates_are_not_mistaken_for_attacks():

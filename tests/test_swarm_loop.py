@@ -77,9 +77,10 @@ class ScriptedAverager:
 
     client_mode, allow_state_sharing = False, False
 
-    def __init__(self, rounds, donor=None, banned=None) -> None:
+    def __init__(self, rounds, donor=None, banned=None, caught=()) -> None:
         self.rounds, self.donor = rounds, donor
         self.banned = dict(banned or {})  # peer id -> why, as SwarmAverager.banned_peers()
+        self.caught = set(caught)  # peers rejected once, not banned
         self.matchmaking_time, self.round_timeout = MATCHMAKING_S, 5.0
         self.state_sharing_priority = 0.0
         self.round_scheduled = False
@@ -109,6 +110,9 @@ class ScriptedAverager:
     def banned_peers(self) -> dict[str, str]:
         return dict(self.banned)
 
+    def caught_peers(self) -> set[str]:
+        return self.caught | set(self.banned)
+
     def shutdown(self) -> None:
         pass
 
@@ -128,12 +132,13 @@ def train_config(corpus, out) -> TrainConfig:
                        save_every=0, eval_every=0, log_every=1000)
 
 
-def make_peer(corpus, out, rounds, *, donor=None, max_steps=None, clock=None, trainer=None, banned=None) -> SwarmPeer:
+def make_peer(corpus, out, rounds, *, donor=None, max_steps=None, clock=None, trainer=None, banned=None,
+              caught=()) -> SwarmPeer:
     cfg = train_config(corpus, out)
     trainer = trainer or Trainer(ModelConfig.from_dims("e32h2d1w32"), cfg, load_corpus(str(corpus)), torch.device("cpu"))
     run = RunConfig.from_settings(cfg, trainer.model_cfg, tokenizer_id(trainer.corpus.tokenizer, trainer.corpus.vocab_size),
                                   inner_steps=H, outer_lr=LR, outer_momentum=MOMENTUM)
-    return SwarmPeer(trainer, lambda template, source: ScriptedAverager(rounds, donor, banned), NoMetrics(),
+    return SwarmPeer(trainer, lambda template, source: ScriptedAverager(rounds, donor, banned, caught), NoMetrics(),
                      SwarmIdentity("me", "me", "loop", "cpu", relayed=False), LocalStatus(), run=run,
                      max_steps=max_steps, publish_every_s=60.0, clock=clock or QuietClock())
 
@@ -269,10 +274,12 @@ def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_
     assert peer.averager.started[1][1] == expected_base  # round 2 is formed on the group's weights
 
 
-@pytest.mark.parametrize("banned", [False, True])
-def test_a_banned_groupmate_does_not_vote_on_the_groups_base(corpus, tmp_path, banned):
+@pytest.mark.parametrize("caught", ["nobody", "banned", "rejected_once"])
+def test_a_groupmate_caught_lying_does_not_vote_on_the_groups_base(corpus, tmp_path, caught):
     """Two of four declare our base, two another one, which wins the tie: the peer resyncs onto it, unless one of
-    those two is a peer it banned (its parts were ignored; its vote must not pull the peer onto its weights)."""
+    those two is a peer it banned or has rejected in some round (its parts or answers were refused; its vote must
+    not pull the peer onto weights it may have poisoned, as an attacker paired with an honest peer in a swarm's
+    first round can)."""
     def rounds(number, gradient, metadata):
         if number > 1:
             return ScriptedRound()
@@ -280,9 +287,10 @@ def test_a_banned_groupmate_does_not_vote_on_the_groups_base(corpus, tmp_path, b
         return averaged_with_group([0.5 * g for g in gradient], [metadata, metadata, theirs, theirs])
 
     peer = make_peer(corpus, tmp_path / "vote", rounds, max_steps=2 * H + 1,
-                     banned={"peer-3": "a part far from the group's"} if banned else None)
+                     banned={"peer-3": "a part far from the group's"} if caught == "banned" else None,
+                     caught={"peer-3"} if caught == "rejected_once" else ())
     peer.run()
-    assert peer.averager.downloads == (0 if banned else 1)
+    assert peer.averager.downloads == (1 if caught == "nobody" else 0)
 
 
 def test_a_peer_that_cannot_download_the_groups_state_stays_out_of_step_and_shares_its_own_again(
