@@ -182,6 +182,19 @@ def test_a_sender_attack_is_left_out_of_every_span_and_banned(attack, claimed):
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_an_honest_peer_paired_with_a_90x_sender_takes_no_big_step():
+    """A group of two: the honest peer's span is its own part and the other's clipped to 10x its length (the mean
+    of two: at most 5.5x), and the attacker's answer for its own span, 45x, is refused. Unclipped, the honest
+    peer took a 45x step on its span."""
+    with swarm([OneBitCodec() for _ in range(2)], residual_carry=None) as averagers:
+        grads = grads_of_round(0, 2)
+        outcome = play(averagers, [grads[0], [90 * g for g in grads[1]]], [1000.0] * 2, group_size=2)[0]
+    assert outcome.group_size == 2 and outcome.dropped_peers == 1  # the attacker's span, refused
+    assert float(flat(outcome.averaged).norm()) <= (1 + PAIR_NORM_RATIO) / 2 * float(flat(grads[0]).norm())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_far_update_from_a_peer_out_of_step_is_left_out_but_earns_no_strike():
     """A peer that declares other global weights than the group's (an honest peer before its resync) sends an
     update measured against them, which may lie far from the others': left out of the average, never banned. The
