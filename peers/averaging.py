@@ -105,6 +105,7 @@ from tscale_p2p.peers.span_agreement import (
     REFUSED,
     DigestInboxes,
     EvidenceBooks,
+    Proof,
     SpanSigner,
     believed,
     bound_key,
@@ -413,6 +414,8 @@ class SwarmAverager(AveragerBase):
         self._step_finished.set()
         self._digest_inboxes = DigestInboxes()  # used in the averager process only
         self._evidence_books = EvidenceBooks()  # likewise
+        self._proofs: dict[str, Proof] = {}  # likewise: liar (base58) -> the proof we hold against it
+        self._shown: set[tuple[str, str]] = set()  # likewise: (liar, peer) pairs whose proof that peer has seen
 
         request_timeout = request_timeout if request_timeout is not None else min(3.0, matchmaking_time / 2)
         client_mode = kwargs.get("client_mode")
@@ -708,7 +711,9 @@ class SwarmAverager(AveragerBase):
             self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
         sent = await self._outgoing
         declared = self._declared(group_info)
-        keys = [bound_key(_declared_key(item), peer) for peer, item in zip(group_info.peer_ids, declared)]
+        declarations = [_declared_key(item) for item in declared]
+        keys = [bound_key(item, peer) for peer, item in zip(group_info.peer_ids, declarations)]
+        self._show_proofs(group_info.peer_ids)
         self._digest_inboxes.open(group_id, group_info.peer_ids)  # a groupmate may end its all-reduce before us
         try:
             runner = self._make_runner(
@@ -733,7 +738,7 @@ class SwarmAverager(AveragerBase):
             disputed: dict[PeerID, list[tuple[int, int]]] = {}
             try:
                 averaged = [tensor async for tensor in runner]
-                self._evidence_books.keep(group_id, group_info.peer_ids, keys, runner.signed_copies)
+                self._evidence_books.keep(group_id, group_info.peer_ids, declarations, keys, runner.signed_copies)
                 disputed = await self._agree_on_spans(runner, group_id)
             finally:
                 self._round_dropped.fill_(len(runner.dropped_peers | set(disputed)))
@@ -808,10 +813,37 @@ class SwarmAverager(AveragerBase):
         self, request: averaging_pb2.AveragingData, context: P2PContext
     ) -> averaging_pb2.AveragingData:
         """A groupmate's signed copies of spans we got other averages of: a reducer that signed both is banned."""
-        for liar in self._evidence_books.equivocators(context.remote_id, request):
-            self._reputation.convict(liar.to_base58(), "signed two different averages of its span")
-            self._banned_count.fill_(len(self._reputation.banned))
+        for proof in self._evidence_books.equivocators(context.remote_id, request):
+            self._convict(proof)
         return averaging_pb2.AveragingData()
+
+    async def rpc_span_proof(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        """A proof a groupmate holds that some peer signed two different averages of its span (checked here)."""
+        proof = Proof.read(request)
+        if proof is not None:
+            self._convict(proof)
+        return averaging_pb2.AveragingData()
+
+    def _convict(self, proof: Proof) -> None:
+        liar = proof.liar()
+        if liar is None or liar == self.peer_id.to_base58() or liar in self._proofs:
+            return
+        self._proofs[liar] = proof
+        self._reputation.convict(liar, "signed two different averages of its span")
+        self._banned_count.fill_(len(self._reputation.banned))
+
+    def _show_proofs(self, peers: Sequence[PeerID]) -> None:
+        """Show each groupmate, once, the proofs we hold against others (in the background): a peer that was not
+        in the group where a reducer lied then bans it too, instead of averaging on with it as a partner."""
+        for peer in peers:
+            if peer == self.peer_id:
+                continue
+            for liar, proof in self._proofs.items():
+                if liar != peer.to_base58() and (liar, peer.to_base58()) not in self._shown:
+                    self._shown.add((liar, peer.to_base58()))
+                    asyncio.ensure_future(self._call(peer, "rpc_span_proof", proof.message()))
 
     async def rpc_span_digests(
         self, request: averaging_pb2.AveragingData, context: P2PContext

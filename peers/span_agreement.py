@@ -26,7 +26,8 @@ not verify. A reducer that signs two different averages of one span in one group
 a dispute shows up, each peer that holds a signed copy sends it to the groupmates that report otherwise
 (`evidence_message`), and a peer that gets a validly signed digest other than its own signed copy bans the
 reducer at once (`EvidenceBooks`). Nobody can forge another peer's signature, so this frames no honest reducer,
-and a dispute costs no bytes without a dispute. A liar can still deny a groupmate a valid signature (or any
+and evidence costs no bytes without a dispute. The two signed digests are a `Proof` anyone can check, so the
+peers that caught a liar show it to each groupmate they meet later, once each, and those ban it too. A liar can still deny a groupmate a valid signature (or any
 answer): that peer refuses the span, which proves nothing to the others, and the rules above apply.
 """
 
@@ -56,6 +57,7 @@ NO_AVERAGE = bytes(DIGEST_BYTES)  # the digest of a span this peer has no averag
 REFUSED = b"\xff" * DIGEST_BYTES  # of a span whose average this peer refused (invalid) or whose reducer it banned
 MAX_PENDING_GROUPS = 4  # inboxes kept at once: a round's, and a few stale ones a slow peer may still reach
 SIGNATURE_BYTES = 64  # an Ed25519 signature
+MAX_PROOF_BYTES = 4096  # a Proof's message: two digests and signatures, an RSA key and its vouch, a group id
 _STATEMENT = b"tscale-p2p span average\x00"
 _VOUCH = b"tscale-p2p span key\x00"
 
@@ -254,8 +256,51 @@ class DigestInboxes:
 
 
 @dataclass(frozen=True)
+class Proof:
+    """Two different digests one reducer signed for its span in one group: proof, to anyone, that it lied."""
+
+    group_id: bytes
+    index: int
+    declaration: tuple  # the reducer's span key declaration (`SpanSigner.declaration`)
+    first: tuple  # (digest, signature)
+    second: tuple
+
+    def liar(self) -> str | None:
+        """The peer id (base58) this proves a liar; None where it proves nothing (remote data: never raises)."""
+        try:
+            peer = peer_id_of(self.declaration[0])
+            (first, first_signature), (second, second_signature) = self.first, self.second
+            if peer is None or first == second or not isinstance(self.group_id, bytes):
+                return None
+            key = bound_key(self.declaration, PeerID.from_base58(peer))
+            for digest, signature in ((first, first_signature), (second, second_signature)):
+                if not verify_span(key, self.group_id, self.index, digest, signature):
+                    return None
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        return peer
+
+    def message(self) -> averaging_pb2.AveragingData:
+        blob = MSGPackSerializer.dumps([self.group_id, self.index, list(self.declaration), list(self.first),
+                                        list(self.second)])
+        return averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor(buffer=blob, size=[len(blob)], dtype="uint8"))
+
+    @classmethod
+    def read(cls, message: averaging_pb2.AveragingData) -> "Proof | None":
+        """The proof in a groupmate's message, unchecked (see `liar`), or None where it does not parse."""
+        if len(message.tensor_part.buffer) > MAX_PROOF_BYTES:
+            return None
+        try:
+            group_id, index, declaration, first, second = MSGPackSerializer.loads(message.tensor_part.buffer)
+            return cls(group_id, index, tuple(declaration), tuple(first), tuple(second))
+        except Exception:  # noqa: BLE001  (msgpack and the unpacking raise many kinds on garbage)
+            return None
+
+
+@dataclass(frozen=True)
 class _Book:
     peers: tuple
+    declarations: tuple  # each reducer's declared span key (remote data)
     keys: tuple  # each reducer's span key (`bound_key`), or None
     copies: dict  # reducer index -> (digest, signature) we hold, its signature checked
 
@@ -267,15 +312,15 @@ class EvidenceBooks:
     def __init__(self) -> None:
         self._books: dict[bytes, _Book] = {}
 
-    def keep(self, group_id: bytes, peers: Sequence[PeerID], keys: Sequence[Ed25519PublicKey | None],
-             copies: Mapping[int, tuple[bytes, bytes]]) -> None:
+    def keep(self, group_id: bytes, peers: Sequence[PeerID], declarations: Sequence[Any],
+             keys: Sequence[Ed25519PublicKey | None], copies: Mapping[int, tuple[bytes, bytes]]) -> None:
         while len(self._books) >= MAX_PENDING_GROUPS:
             self._books.pop(next(iter(self._books)))
-        self._books[group_id] = _Book(tuple(peers), tuple(keys), dict(copies))
+        self._books[group_id] = _Book(tuple(peers), tuple(declarations), tuple(keys), dict(copies))
 
-    def equivocators(self, sender: PeerID, message: averaging_pb2.AveragingData) -> list[PeerID]:
-        """The reducers that `sender`'s evidence proves signed another digest of their span than the one they
-        signed to us."""
+    def equivocators(self, sender: PeerID, message: averaging_pb2.AveragingData) -> list[Proof]:
+        """Proofs against the reducers that `sender`'s evidence shows signed another digest of their span than
+        the one they signed to us."""
         book = self._books.get(message.group_id)
         if book is None or sender not in book.peers:
             return []
@@ -283,11 +328,11 @@ class EvidenceBooks:
         if copies is None:
             logger.info("ignoring malformed span evidence from %s", sender)
             return []
-        proven = []
+        proofs = []
         for index, (digest, signature) in copies.items():
             ours = book.copies.get(index)
             if ours is None or ours[0] == digest:
                 continue
             if verify_span(book.keys[index], message.group_id, index, digest, signature):
-                proven.append(book.peers[index])
-        return proven
+                proofs.append(Proof(message.group_id, index, book.declarations[index], ours, (digest, signature)))
+        return proofs

@@ -312,6 +312,28 @@ def test_a_reducer_signing_two_peers_different_averages_is_proven_a_liar_and_ban
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_a_peer_that_was_not_there_bans_a_proven_liar_once_it_meets_a_witness():
+    """A two-faced reducer caught in a group of three: the witnesses show the proof to the first groupmate they
+    meet that was not there, and it bans the liar too, without ever meeting it."""
+    kinds = [SwarmAverager] * 3 + [TwoFacedReducer]
+    with swarm([OneBitCodec() for _ in range(4)], averager_type=kinds, identities=True) as averagers:
+        witness, other, newcomer, liar = averagers
+        play([witness, other, liar], grads_of_round(0, 3), [1000.0] * 3, group_size=3)
+        wait_for(lambda: witness.banned_count == 1)
+        assert newcomer.banned_count == 0
+        play([witness, newcomer], grads_of_round(1, 2), [1000.0] * 2, group_size=2)
+        wait_for(lambda: newcomer.banned_count == 1)
+        assert "signed two different averages" in newcomer.banned_peers()[peer(liar)]
+
+
+def wait_for(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("disputers, lost", [([DisputingPeer], 0), ([DisputingOnePeer], 1),
                                               ([DisputingOnePeer] * 2, 1)], ids=["all_spans", "one_span", "a_pair"])
 def test_groupmates_disputing_spans_cost_at_most_one_span_and_frame_nobody(disputers, lost):

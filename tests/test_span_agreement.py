@@ -16,6 +16,7 @@ from tscale_p2p.peers.span_agreement import (
     REFUSED,
     DigestInboxes,
     EvidenceBooks,
+    Proof,
     SpanSigner,
     believed,
     bound_key,
@@ -134,8 +135,11 @@ def test_evidence_proves_a_reducer_that_signed_two_averages_and_frames_no_honest
     keys = [None, bound_key(forger_key.declaration, forger), bound_key(key.declaration, liar)]
     truth, lie = span_digest([b"truth"]), span_digest([b"lie"])
     books = EvidenceBooks()
-    books.keep(b"g", peers, keys, {2: (truth, key.sign(b"g", 2, truth))})
-    assert books.equivocators(forger, evidence_message(b"g", {2: (lie, key.sign(b"g", 2, lie))})) == [liar]
+    books.keep(b"g", peers, [None, forger_key.declaration, key.declaration], keys,
+               {2: (truth, key.sign(b"g", 2, truth))})
+    proofs = books.equivocators(forger, evidence_message(b"g", {2: (lie, key.sign(b"g", 2, lie))}))
+    assert [proof.liar() for proof in proofs] == [liar.to_base58()]
+    assert Proof.read(proofs[0].message()).liar() == liar.to_base58()  # anyone can check it
     assert books.equivocators(forger, evidence_message(b"g", {2: (truth, key.sign(b"g", 2, truth))})) == []
     forged = forger_key.sign(b"g", 2, lie)  # a groupmate cannot sign for the reducer
     assert books.equivocators(forger, evidence_message(b"g", {2: (lie, forged)})) == []
@@ -148,8 +152,25 @@ def test_malformed_evidence_is_ignored():
     key, liar = signer()
     books = EvidenceBooks()
     truth = span_digest([b"truth"])
-    books.keep(b"g", [PEERS[0], PEERS[1], liar], [None, None, bound_key(key.declaration, liar)],
-               {2: (truth, key.sign(b"g", 2, truth))})
+    books.keep(b"g", [PEERS[0], PEERS[1], liar], [None, None, key.declaration],
+               [None, None, bound_key(key.declaration, liar)], {2: (truth, key.sign(b"g", 2, truth))})
     for buffer in (b"\xc1garbage", b"\x90", b"\x91\x93\x07\xa0\xa0", b"x" * 10**6):
         message = averaging_pb2.AveragingData(group_id=b"g", tensor_part=runtime_pb2.Tensor(buffer=buffer))
         assert books.equivocators(PEERS[1], message) == []
+
+
+def test_a_proof_convicts_only_the_reducer_that_signed_both_digests():
+    (key, liar), (other_key, other) = signer(), signer()
+    truth, lie = span_digest([b"truth"]), span_digest([b"lie"])
+    proof = Proof(b"g", 2, key.declaration, (truth, key.sign(b"g", 2, truth)), (lie, key.sign(b"g", 2, lie)))
+    assert proof.liar() == liar.to_base58()
+    framed = Proof(b"g", 2, other_key.declaration, proof.first, proof.second)  # someone else's key on its words
+    forged = Proof(b"g", 2, key.declaration, proof.first, (lie, other_key.sign(b"g", 2, lie)))
+    same = Proof(b"g", 2, key.declaration, proof.first, proof.first)
+    moved = Proof(b"h", 2, key.declaration, proof.first, proof.second)  # signed for another group
+    garbage = [Proof(b"g", 2**20, key.declaration, proof.first, proof.second), Proof(7, 2, (), (), ()),
+               Proof(b"g", 2, (b"x", b"y", b"z"), proof.first, proof.second), Proof(b"g", 2, key.declaration, (1,), ())]
+    for bad in (framed, forged, same, moved, *garbage):
+        assert bad.liar() is None
+    for buffer in (b"\xc1", b"\x95\x01", b"x" * 10**5):
+        assert Proof.read(averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor(buffer=buffer))) is None
