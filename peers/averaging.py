@@ -941,7 +941,6 @@ class _RobustPartReducer(TensorPartReducer):
         self._contributions: dict[int, tuple[torch.Tensor, float]] = {}
         self._finishing = False
         self.flagged: dict[int, str] = {}  # sender index -> why (the first reason it was flagged for)
-        self.own_sender: Optional[int] = None  # the reducer's own sender index (robust_aggregate's `own`)
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -992,8 +991,7 @@ class _RobustPartReducer(TensorPartReducer):
         senders = sorted(contributions)
         parts = torch.stack([contributions[i][0].reshape(-1).float() for i in senders])
         tokens = torch.tensor([contributions[i][1] for i in senders], dtype=torch.float64)
-        own = senders.index(self.own_sender) if self.own_sender in senders else None
-        result = robust_aggregate(parts, tokens, own=own)
+        result = robust_aggregate(parts, tokens)
         for k in result.far:
             self.flagged.setdefault(senders[k], "a part far from the group's")
         for k in result.colluding:
@@ -1041,8 +1039,6 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
         )
         hivemind_reducer.finished.set()  # never used: finished, so that it does not report missing parts
-        if self.peer_id in self.sender_peer_ids:
-            self.tensor_part_reducer.own_sender = self.sender_peer_ids.index(self.peer_id)
         self.banned = frozenset(banned) & set(self.ordered_peer_ids) - {self.peer_id}
         for peer_id in self.banned & set(self.sender_peer_ids):
             self.banned_senders.add(peer_id)

@@ -34,7 +34,6 @@ FAR_RATIO = 3.0  # "far": beyond this times the median distance to the result (h
 FAR_TOKEN_ALLOWANCE = 4.0  # a peer with k times the median tokens may lie up to (1 + k) results away, k <= this
 COLLUSION_DISTANCE = 0.25  # "colluding": two contributions closer than this times the median pairwise distance
 SMALL_SHARE = 0.5  # a contribution shorter than this times the result is never taken for a colluder
-PAIR_NORM_RATIO = 4.0  # of two contributions, the other's is clipped to this times the reducer's own
 
 
 @dataclass(frozen=True)
@@ -84,21 +83,12 @@ def centered_clip(parts: torch.Tensor, weights: torch.Tensor, start: torch.Tenso
     return centre
 
 
-def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor, own: int | None = None) -> RobustResult:
+def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`.
 
     Flagged contributions are left out of the result: first the far ones, then, among the rest, colluding ones.
-    `own`: the row of the reducer's own contribution. Of two contributions neither is a majority, so the reducer
-    trusts its own: the other is first clipped to `PAIR_NORM_RATIO` times its length, and weighs no more than
-    ours. (A peer paired with an attacker sending 90x its update, just under the contribution bound, took 45x
-    steps, and one sending -10x claiming 10^12 tokens -10x steps: the swarm's loss reached 500 and 5.) At worst
-    the pair then moves by (1 + PAIR_NORM_RATIO) / 2 times our part. An honest part is rarely that much longer
-    than ours; when it is (ours a few steps into a round), the clip costs that span some of one round's
-    progress, alike on both peers.
     """
     tokens = tokens.to(torch.float64)
-    if parts.shape[0] == 2 and own is not None:
-        parts, tokens = _trust_own(parts, tokens, own)
     kept = list(range(parts.shape[0]))
     aggregate = _clipped_mean(parts, tokens)
     far = _far(parts, tokens, aggregate)
@@ -110,18 +100,6 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor, own: int | None 
         kept = [i for i in kept if i not in colluding]
         aggregate = _clipped_mean(parts[kept], tokens[kept])
     return RobustResult(aggregate, far, colluding)
-
-
-def _trust_own(parts: torch.Tensor, tokens: torch.Tensor, own: int) -> tuple[torch.Tensor, torch.Tensor]:
-    other = 1 - own
-    tokens = tokens.clone()
-    tokens[other] = min(float(tokens[other]), float(tokens[own]))
-    limit, norm = PAIR_NORM_RATIO * float(parts[own].norm()), float(parts[other].norm())
-    if limit == 0 or norm <= limit:
-        return parts, tokens
-    clipped = parts.clone()
-    clipped[other] *= limit / norm
-    return clipped, tokens
 
 
 def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

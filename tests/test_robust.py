@@ -18,7 +18,7 @@ from tscale_p2p.cli import main
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.codec import OneBitCodec
 from tscale_p2p.peers.reputation import PeerReputation
-from tscale_p2p.peers.robust import PAIR_NORM_RATIO, robust_aggregate
+from tscale_p2p.peers.robust import robust_aggregate
 
 D = 8192
 
@@ -72,21 +72,6 @@ def test_a_little_is_enough_pair_is_flagged_as_colluding_and_left_out():
     result = robust_aggregate(parts, torch.full((len(parts),), 1000.0))
     assert result.colluding == {honest_count, honest_count + 1} and not result.far
     assert relative(result.aggregate, honest_mean) < 1e-5
-
-
-@pytest.mark.parametrize("attack, claimed", [(lambda g: 90 * g, 1000.0), (lambda g: -10 * g, 1e12)],
-                         ids=["scaled_x90", "sign_flip_x10_claiming_1e12_tokens"])
-def test_of_two_contributions_the_reducers_own_bounds_the_others_pull(attack, claimed):
-    """A reducer paired with an attacker (a long update under the contribution bound, or a sign flip claiming
-    10^12 tokens) moves by at most (1 + PAIR_NORM_RATIO) / 2 times its own update; without its own part trusted
-    it moved 45x, or 10x backwards. An honest pair is aggregated as before."""
-    own, other = honest_updates(2, seed=5)
-    parts, tokens = torch.stack([own, attack(other)]), torch.tensor([1000.0, claimed])
-    bound = (1 + PAIR_NORM_RATIO) / 2 * float(own.norm())
-    assert float(robust_aggregate(parts, tokens, own=0).aggregate.norm()) <= bound * 1.001
-    assert float(robust_aggregate(parts, tokens).aggregate.norm()) > 2 * bound
-    honest, equal = torch.stack([own, 2 * other]), torch.tensor([1000.0, 1000.0])
-    assert torch.equal(robust_aggregate(honest, equal, own=0).aggregate, robust_aggregate(honest, equal).aggregate)
 
 
 def test_late_joiners_small_updates_are_not_mistaken_for_attacks():
@@ -181,19 +166,6 @@ def test_a_sender_attack_is_left_out_of_every_span_and_banned(attack, claimed):
         attacker.round_timeout = 4.0
         alone = play([attacker], [bad], [claimed], group_size=None)[0]
         assert alone.averaged is None
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(90)
-def test_an_honest_peer_paired_with_a_90x_sender_takes_no_big_step():
-    """A group of two: the honest peer's span is its own part and the other's clipped to PAIR_NORM_RATIO times its
-    length, and the attacker's answer for its own span, 45x, is refused. Unclipped, the honest peer took a 45x
-    step on its span."""
-    with swarm([OneBitCodec() for _ in range(2)], residual_carry=None) as averagers:
-        grads = grads_of_round(0, 2)
-        outcome = play(averagers, [grads[0], [90 * g for g in grads[1]]], [1000.0] * 2, group_size=2)[0]
-    assert outcome.group_size == 2 and outcome.dropped_peers == 1  # the attacker's span, refused
-    assert float(flat(outcome.averaged).norm()) <= (1 + PAIR_NORM_RATIO) / 2 * float(flat(grads[0]).norm())
 
 
 @pytest.mark.slow
