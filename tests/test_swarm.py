@@ -205,7 +205,7 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
         assert re.search(r"run 'agree' \(config \w+\): model \w+, 5 inner steps, codec topk", peer.output())
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_file, capsys):
     """One swarm, in order: a founder prints how to join; a second peer joins; a late joiner downloads the
     state and continues; `peers --json` lists all three; a contradicting flag is refused; a peer killed
@@ -216,7 +216,9 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     founder = a.wait_for(r"tscale-peer join --initial-peers (\S+) --run-id late", timeout=60)[0].group(1)
     assert MADDR.fullmatch(founder)
     b = spawn("b", *join_args("b", text_file, "--initial-peers", founder, "--run-id", "late", "--name", "b"))
-    b.wait_for(r"round \d+: averaged with 1 peer", timeout=60, count=2)  # numbered from the downloaded round
+    # Numbered from the downloaded round. Under load a first round can fail on a matchmaking race (the leader gave
+    # up on a group its follower had joined): the follower then waits out its 20 s reducer timeout.
+    b.wait_for(r"round \d+: averaged with 1 peer", timeout=120, count=2)
 
     c = spawn("c", *join_args("c", text_file, "--initial-peers", founder, "--run-id", "late", "--name", "c"))
     downloaded = int(c.wait_for(r"downloaded the state of round (\d+)", timeout=60)[0].group(1))
