@@ -738,7 +738,7 @@ class SwarmAverager(AveragerBase):
             disputed: dict[PeerID, list[tuple[int, int]]] = {}
             try:
                 averaged = [tensor async for tensor in runner]
-                self._evidence_books.keep(group_id, group_info.peer_ids, declarations, keys, runner.signed_copies)
+                self._evidence_books.keep(group_id, group_info.peer_ids, declarations, runner.signed_copies)
                 disputed = await self._agree_on_spans(runner, group_id)
             finally:
                 self._round_dropped.fill_(len(runner.dropped_peers | set(disputed)))

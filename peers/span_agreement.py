@@ -300,8 +300,7 @@ class Proof:
 @dataclass(frozen=True)
 class _Book:
     peers: tuple
-    declarations: tuple  # each reducer's declared span key (remote data)
-    keys: tuple  # each reducer's span key (`bound_key`), or None
+    declarations: tuple  # each reducer's declared span key (remote data: see `bound_key`)
     copies: dict  # reducer index -> (digest, signature) we hold, its signature checked
 
 
@@ -313,10 +312,10 @@ class EvidenceBooks:
         self._books: dict[bytes, _Book] = {}
 
     def keep(self, group_id: bytes, peers: Sequence[PeerID], declarations: Sequence[Any],
-             keys: Sequence[Ed25519PublicKey | None], copies: Mapping[int, tuple[bytes, bytes]]) -> None:
+             copies: Mapping[int, tuple[bytes, bytes]]) -> None:
         while len(self._books) >= MAX_PENDING_GROUPS:
             self._books.pop(next(iter(self._books)))
-        self._books[group_id] = _Book(tuple(peers), tuple(declarations), tuple(keys), dict(copies))
+        self._books[group_id] = _Book(tuple(peers), tuple(declarations), dict(copies))
 
     def equivocators(self, sender: PeerID, message: averaging_pb2.AveragingData) -> list[Proof]:
         """Proofs against the reducers that `sender`'s evidence shows signed another digest of their span than
@@ -333,6 +332,7 @@ class EvidenceBooks:
             ours = book.copies.get(index)
             if ours is None or ours[0] == digest:
                 continue
-            if verify_span(book.keys[index], message.group_id, index, digest, signature):
-                proofs.append(Proof(message.group_id, index, book.declarations[index], ours, (digest, signature)))
+            proof = Proof(message.group_id, index, book.declarations[index], ours, (digest, signature))
+            if proof.liar() == book.peers[index].to_base58():
+                proofs.append(proof)
         return proofs

@@ -132,11 +132,9 @@ def test_evidence_proves_a_reducer_that_signed_two_averages_and_frames_no_honest
     same digest, a forged signature, or a groupmate outside the group prove nothing."""
     (key, liar), (forger_key, forger) = signer(), signer()
     peers = [PEERS[0], forger, liar]
-    keys = [None, bound_key(forger_key.declaration, forger), bound_key(key.declaration, liar)]
     truth, lie = span_digest([b"truth"]), span_digest([b"lie"])
     books = EvidenceBooks()
-    books.keep(b"g", peers, [None, forger_key.declaration, key.declaration], keys,
-               {2: (truth, key.sign(b"g", 2, truth))})
+    books.keep(b"g", peers, [None, forger_key.declaration, key.declaration], {2: (truth, key.sign(b"g", 2, truth))})
     proofs = books.equivocators(forger, evidence_message(b"g", {2: (lie, key.sign(b"g", 2, lie))}))
     assert [proof.liar() for proof in proofs] == [liar.to_base58()]
     assert Proof.read(proofs[0].message()).liar() == liar.to_base58()  # anyone can check it
@@ -152,8 +150,7 @@ def test_malformed_evidence_is_ignored():
     key, liar = signer()
     books = EvidenceBooks()
     truth = span_digest([b"truth"])
-    books.keep(b"g", [PEERS[0], PEERS[1], liar], [None, None, key.declaration],
-               [None, None, bound_key(key.declaration, liar)], {2: (truth, key.sign(b"g", 2, truth))})
+    books.keep(b"g", [PEERS[0], PEERS[1], liar], [None, None, key.declaration], {2: (truth, key.sign(b"g", 2, truth))})
     for buffer in (b"\xc1garbage", b"\x90", b"\x91\x93\x07\xa0\xa0", b"x" * 10**6):
         message = averaging_pb2.AveragingData(group_id=b"g", tensor_part=runtime_pb2.Tensor(buffer=buffer))
         assert books.equivocators(PEERS[1], message) == []
