@@ -73,7 +73,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Collection, Optional, Sequence
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -406,6 +406,7 @@ class SwarmAverager(AveragerBase):
         self._banned_count = torch.zeros((), dtype=torch.int64).share_memory_()  # its bans, for the host to read
         self._target_group_size = target_group_size
         self._round_group_size = torch.zeros((), dtype=torch.int64).share_memory_()  # the next step's; 0: none
+        self._pair_partners: Optional[frozenset[str]] = None  # averager process: the round's `pair_partners`
         tensors = [view.view(t.shape) for view, t in zip(self._flat.split(sizes), template)]
         self._pending: Optional[PendingRound] = None
         self._scheduled: Optional[_ScheduledRound] = None  # matchmaking started ahead of the round's end
@@ -456,7 +457,8 @@ class SwarmAverager(AveragerBase):
     # ---- host process: the swarm loop's API ----
 
     def schedule_round(
-        self, seconds_to_start: float, tokens: float, metadata: Any = None, group_size: Optional[int] = None
+        self, seconds_to_start: float, tokens: float, metadata: Any = None, group_size: Optional[int] = None,
+        pair_partners: Optional[Collection[str]] = None,
     ) -> None:
         """Begin matchmaking for a round that `start_round` will begin in about `seconds_to_start` seconds.
 
@@ -464,7 +466,7 @@ class SwarmAverager(AveragerBase):
         average arrives one all-reduce after `start_round` instead of a whole matchmaking window later
         (hivemind.Optimizer schedules its rounds the same way). `tokens` is the expected weight (`start_round`
         sets the exact one); `metadata` reaches the group now, so `start_round` must pass the same; `group_size`
-        as in `start_round`. Raises RuntimeError while a round is pending or already scheduled.
+        and `pair_partners` as in `start_round`. Raises RuntimeError while a round is pending or already scheduled.
         """
         if self._pending is not None or self._scheduled is not None:
             raise RuntimeError("a round is already pending or scheduled")
@@ -473,7 +475,7 @@ class SwarmAverager(AveragerBase):
         self._step_finished.clear()
         wait_s = max(0.0, seconds_to_start)
         try:
-            self._set_round_group_size(group_size)
+            self._set_round_group_size(group_size, pair_partners)
             control = self.step(
                 gather=self._gather(tokens, metadata), weight=float(tokens),
                 scheduled_time=get_dht_time() + wait_s, timeout=wait_s + self.round_timeout,
@@ -501,13 +503,17 @@ class SwarmAverager(AveragerBase):
         tokens: float,
         metadata: Any = None,
         group_size: Optional[int] = None,
+        pair_partners: Optional[Collection[str]] = None,
     ) -> PendingRound:
         """Begin averaging `pseudo_gradient` (weights at round start minus weights now) in the background.
 
         `tokens` (> 0) is this peer's weight; `metadata` (small, msgpack-able) reaches every groupmate in
         `RoundOutcome.group_metadata`. `group_size`: the peers expected in this round (e.g. those the round
         clock sees training); the all-reduce then begins as soon as that many have joined, instead of when the
-        matchmaking window closes (a peer beyond it is refused by the full group and gets no average). Uses the
+        matchmaking window closes (a peer beyond it is refused by the full group and gets no average).
+        `pair_partners`: the peers (base58 ids) this peer averages with in a group of two; a pair with anyone
+        else is refused and the round looks for another group (None: any pair is taken). In a pair neither
+        contribution is a majority, so the robust rules cannot tell which of the two lies. Uses the
         round `schedule_round` prepared, if any, with the size it was scheduled with (it is dropped, and a round
         begins from scratch, when it has failed meanwhile or was scheduled with other metadata). The tensors
         are copied, so training may continue at once. Raises ValueError for a pseudo-gradient that is not
@@ -535,7 +541,7 @@ class SwarmAverager(AveragerBase):
                     buffer.copy_(tensor.detach())
             if scheduled is None:
                 traffic_before = tuple(self._traffic.tolist())
-                self._set_round_group_size(group_size)
+                self._set_round_group_size(group_size, pair_partners)
                 control = self.step(
                     gather=self._gather(tokens, metadata), weight=float(tokens),
                     timeout=self.round_timeout, wait=False,
@@ -618,10 +624,12 @@ class SwarmAverager(AveragerBase):
             raise RuntimeError("this averager has no state_source to share")
         return self._state_source()
 
-    def _set_round_group_size(self, group_size: Optional[int]) -> None:
+    def _set_round_group_size(self, group_size: Optional[int], pair_partners: Optional[Collection[str]]) -> None:
         if group_size is not None and group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self._round_group_size.fill_(group_size or 0)  # read by the averager process as the step begins
+        partners = None if pair_partners is None else frozenset(pair_partners)
+        self.run_in_averager_process("_set_pair_partners", partners=partners)  # the pipe delivers it before the step
 
     def _wait_for_last_step(self) -> None:
         # A round's result is out before the averager process is done with it: a round that failed still rolls
@@ -660,6 +668,20 @@ class SwarmAverager(AveragerBase):
                 if not outgoing.cancelled() and outgoing.exception() is None:
                     self._undo_error_feedback(outgoing.result())
             self._step_finished.set()  # after the undo, which reads the pseudo-gradient buffers
+
+    async def _set_pair_partners(self, partners: Optional[frozenset[str]]) -> None:
+        self._pair_partners = partners
+
+    def _check_pair(self, group_info: GroupInfo) -> None:
+        """Refuse a group of two with a peer outside this round's `pair_partners` (see `start_round`)."""
+        if self._pair_partners is None or len(group_info.peer_ids) != 2:
+            return
+        other = next(peer for peer in group_info.peer_ids if peer != self.peer_id)
+        if other.to_base58() not in self._pair_partners:
+            raise AllreduceException(
+                f"not averaging in a pair with {other}, a peer not averaged with yet, while three or more peers "
+                "train: looking for a group with a majority"
+            )
 
     async def _banned_peers(self, future: MPFuture) -> None:
         future.set_result(dict(self._reputation.banned))
@@ -707,6 +729,7 @@ class SwarmAverager(AveragerBase):
     ):
         """Replace `tensors` (this peer's pseudo-gradient) by the group's 1-bit average, or raise and change nothing."""
         group_id = group_info.group_id if group_id is None else group_id
+        self._check_pair(group_info)
         if self._outgoing is None:  # hivemind retries after a failed attempt, which rolled the residual back
             self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
         sent = await self._outgoing

@@ -10,9 +10,14 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from typing import Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
 Base = tuple[int, str]  # (outer round, fingerprint) of the global weights a pseudo-gradient was formed on
+
+# Rounds in a row a peer goes without an average before it takes a pair with a peer it has not averaged with:
+# the caution of `RoundSchedule.pair_partners` must not leave two honest peers apart for good when a third
+# announces progress but never joins a group.
+PAIR_PATIENCE = 2
 
 
 class SwarmClock(Protocol):
@@ -107,6 +112,20 @@ class RoundSchedule:
         once split the swarm into pairs and forced 5-9 state re-downloads a run, against none)."""
         peers = self.clock.live_peers()
         return peers if peers > 1 and round_s >= 2 * self.clock.every_s else None
+
+    def pair_partners(self, averaged_with: Collection[str], caught: Collection[str],
+                      rounds_alone: int) -> frozenset[str] | None:
+        """Whom to average with in a group of two this round: while the round clock sees three or more live
+        peers, only peers this one has averaged with before (`averaged_with`, less those `caught`); None (any
+        pair) when fewer are live, or after PAIR_PATIENCE rounds in a row without an average.
+
+        In a pair neither contribution is a majority: an attacker paired with an honest peer in the swarm's first
+        rounds, before anyone could ban it, got its update and its own span's answer through (a 90x update and a
+        10^12-token sign flip destroyed the 2 + 1 swarm, benchmarks/RESULTS.md). With three or more live, a
+        group of three holds an honest majority the robust rules act on, so it is worth waiting for."""
+        if self.clock.live_peers() < 3 or rounds_alone >= PAIR_PATIENCE:
+            return None
+        return frozenset(averaged_with) - frozenset(caught)
 
     def give_up_after(self, epoch: int) -> float | None:
         """How long a round that ends `epoch` may look for a group before it is given up (`PendingRound.

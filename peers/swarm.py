@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Collection, Optional, Protocol, Sequence
 
 import torch
 
@@ -76,12 +76,13 @@ class RoundAverager(Protocol):
     round_scheduled: bool
 
     def schedule_round(self, seconds_to_start: float, tokens: float, metadata: Any = None,
-                       group_size: Optional[int] = None) -> None: ...
+                       group_size: Optional[int] = None, pair_partners: Optional[Collection[str]] = None) -> None: ...
 
     def cancel_scheduled_round(self) -> None: ...
 
     def start_round(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, metadata: Any = None,
-                    group_size: Optional[int] = None) -> PendingAverage: ...
+                    group_size: Optional[int] = None,
+                    pair_partners: Optional[Collection[str]] = None) -> PendingAverage: ...
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None): ...
 
@@ -159,6 +160,8 @@ class SwarmPeer:
         )
         self._tokens_in_round = 0
         self._in_flight: _InFlight | None = None
+        self._averaged_with: set[str] = set()  # peers met in a round that dropped nobody
+        self._rounds_alone = 0  # rounds in a row this peer has averaged with nobody
         self.clock = clock or RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
         self.schedule = RoundSchedule(self.clock, self.averager.matchmaking_time)
         self.training_s = self.wall_s = 0.0  # for the busy fraction while training
@@ -368,7 +371,7 @@ class SwarmPeer:
         expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
         self.averager.schedule_round(
             seconds, tokens=expected_tokens, metadata=self._base_metadata(),
-            group_size=self.schedule.group_size(round_s + seconds),
+            group_size=self.schedule.group_size(round_s + seconds), pair_partners=self._pair_partners(),
         )
 
     def _base(self) -> Base:
@@ -389,7 +392,7 @@ class SwarmPeer:
         try:
             pending = self.averager.start_round(
                 [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata(),
-                group_size=self.schedule.group_size(round_s),
+                group_size=self.schedule.group_size(round_s), pair_partners=self._pair_partners(),
             )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)
@@ -411,13 +414,19 @@ class SwarmPeer:
         self.trainer.apply_outer_update(weights)
         self._advertise_state()
         self.report.round(flight.number, outcome, self._fingerprint)
+        self._rounds_alone = 0 if outcome.averaged is not None else self._rounds_alone + 1
         if outcome.averaged is not None and not outcome.dropped_peers:
             self.clock.confirm(outcome.group_peers)  # they really averaged with us: their progress counts fully
+            self._averaged_with.update(outcome.group_peers)
         if self.averager.banned_count:
             self.clock.leave_out(self.averager.banned_peers())
         consensus = self._group_consensus(outcome) if outcome.averaged is not None else None
         if consensus is not None and consensus != flight.base:
             self._resync(flight, consensus, average)
+
+    def _pair_partners(self) -> frozenset[str] | None:
+        """Whom this round averages with in a group of two (`RoundSchedule.pair_partners`)."""
+        return self.schedule.pair_partners(self._averaged_with, self.averager.caught_peers(), self._rounds_alone)
 
     def _group_consensus(self, outcome: RoundOutcome) -> Base | None:
         """The base most of the group declared, peers this one has caught (rejected in some round, or banned)

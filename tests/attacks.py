@@ -79,6 +79,9 @@ class LyingReducer(SwarmAverager):
     factor: Callable = staticmethod(lambda runner, sender: -50.0)
     sign_lies: bool = True
 
+    def _check_pair(self, group_info) -> None:
+        pass  # an attacker takes any pair: it gains most there
+
     def _make_runner(self, **kwargs):
         attack = {"factor": staticmethod(self.factor), "sign_lies": self.sign_lies}
         return type("_LyingRunner", (_LyingRunner,), attack)(**kwargs)
@@ -119,6 +122,9 @@ class DisputingPeer(SwarmAverager):
     the group size): by default all of them, to make its group drop every span."""
 
     disputed: Callable[[int], range] = staticmethod(lambda group_size: range(group_size))
+
+    def _check_pair(self, group_info) -> None:
+        pass  # an attacker takes any pair
 
     async def _agree_on_spans(self, runner, group_id):
         disputed = self.disputed(len(runner.reply_digests))
@@ -210,11 +216,12 @@ def attacking_averager(attack: str, folder: Path | None) -> type[SwarmAverager]:
             kwargs["residual_carry"] = None  # it sends exactly its attack, no error feedback
             super().__init__(*args, **kwargs)
 
-        def start_round(self, pseudo_gradient, tokens, metadata=None, group_size=None):
+        def start_round(self, pseudo_gradient, tokens, metadata=None, group_size=None, pair_partners=None):
+            # an attacker takes any pair (no pair_partners): it gains most there
             return super().start_round(transform(list(pseudo_gradient), metadata), claimed or tokens, metadata,
                                        group_size)
 
-        def schedule_round(self, seconds_to_start, tokens, metadata=None, group_size=None):
+        def schedule_round(self, seconds_to_start, tokens, metadata=None, group_size=None, pair_partners=None):
             return super().schedule_round(seconds_to_start, claimed or tokens, metadata, group_size)
 
     SendingAttacker.__name__ = "SwarmAverager"

@@ -235,6 +235,24 @@ def test_a_peer_with_far_fewer_tokens_keeps_the_groups_average():
     assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
 
 
+def test_a_pair_with_a_peer_outside_pair_partners_is_refused_and_nothing_is_owed_for_it():
+    """`pair_partners` names whom a round averages with in a group of two: the other member is refused (no
+    average for either, within the round timeout), and taken once it is named."""
+    grads, tokens = [random_grads(0), random_grads(1)], [1000.0, 1000.0]
+    with swarm([OneBitCodec(), OneBitCodec()], round_timeout=6.0) as averagers:
+        strangers = [a.start_round(g, tokens=t, pair_partners=()) for a, g, t in zip(averagers, grads, tokens)]
+        for outcome in [p.result(timeout=40) for p in strangers]:
+            assert outcome.averaged is None and outcome.error  # refused, then no group left to find
+        for averager in averagers:  # nothing was sent, so nothing is owed (see the lone peer's test)
+            assert float(averager.error_feedback_state()["sender"].norm()) < 1e-6
+        ids = [str(a.peer_id) for a in averagers]
+        met = [a.start_round(g, tokens=t, pair_partners=ids) for a, g, t in zip(averagers, grads, tokens)]
+        outcomes = [p.result(timeout=40) for p in met]
+    for outcome in outcomes:
+        assert outcome.error is None and outcome.group_size == 2
+    assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+
+
 def test_a_round_scheduled_ahead_averages_one_all_reduce_after_it_starts():
     """Matchmaking runs while the last steps train: once every peer hands over its pseudo-gradient (with its
     exact token count, not the estimate it scheduled with), the average comes without another matchmaking

@@ -21,6 +21,7 @@ from tscale_p2p.peers.averaging import RoundOutcome
 from tscale_p2p.peers.outer import OuterOptimizer
 from tscale_p2p.peers.progress import Progress, RoundClock
 from tscale_p2p.peers.run_config import RunConfig
+from tscale_p2p.peers.schedule import PAIR_PATIENCE
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
 from tscale_p2p.peers.swarm_state import SWARM_STATE_FILE, SwarmState, fingerprint, read_state_file
@@ -85,18 +86,20 @@ class ScriptedAverager:
         self.state_sharing_priority = 0.0
         self.round_scheduled = False
         self.started: list[tuple[list[torch.Tensor], dict]] = []  # (pseudo-gradient, metadata) of each round
+        self.pair_partners: list = []  # each round's pair_partners
         self.downloads = 0
 
-    def schedule_round(self, seconds_to_start, tokens, metadata=None, group_size=None) -> None:
+    def schedule_round(self, seconds_to_start, tokens, metadata=None, group_size=None, pair_partners=None) -> None:
         self.round_scheduled = True
 
     def cancel_scheduled_round(self) -> None:
         self.round_scheduled = False
 
-    def start_round(self, pseudo_gradient, tokens, metadata=None, group_size=None) -> ScriptedRound:
+    def start_round(self, pseudo_gradient, tokens, metadata=None, group_size=None, pair_partners=None) -> ScriptedRound:
         assert tokens > 0
         self.round_scheduled = False
         self.started.append(([t.clone() for t in pseudo_gradient], metadata))
+        self.pair_partners.append(pair_partners)
         return self.rounds(len(self.started), pseudo_gradient, metadata)
 
     def load_state_from_peers(self, wait=True, timeout=None):
@@ -291,6 +294,27 @@ def test_a_groupmate_caught_lying_does_not_vote_on_the_groups_base(corpus, tmp_p
                      caught={"peer-3"} if caught == "rejected_once" else ())
     peer.run()
     assert peer.averager.downloads == (1 if caught == "nobody" else 0)
+
+
+def test_with_three_live_peers_pairs_are_taken_only_with_peers_averaged_with_and_caught_ones_are_left_out(
+        corpus, tmp_path):
+    """Two others are live, so a pair holds no majority: the first round takes a pair with nobody, the next ones
+    with the peers of the round that averaged (less one caught since), and after PAIR_PATIENCE rounds in a row
+    without an average, with anyone."""
+    clock = QuietClock()
+    now = time.time()
+    clock.observe([Progress(0, 0, 0.0, now, "peer-1"), Progress(0, 0, 0.0, now, "peer-2")])  # live, idle
+
+    def rounds(number, gradient, metadata):
+        if number > 1:
+            return ScriptedRound()  # nobody else looking: given up
+        return averaged_with_group([0.5 * g for g in gradient], [metadata, metadata, metadata])
+
+    expected = [frozenset(), *[{"peer-0", "peer-1"}] * PAIR_PATIENCE, None]
+    peer = make_peer(corpus, tmp_path / "pairs", rounds, max_steps=len(expected) * 3 * H, clock=clock,
+                     caught={"peer-2"})
+    peer.run()
+    assert peer.averager.pair_partners[:len(expected)] == expected
 
 
 def test_a_peer_that_cannot_download_the_groups_state_stays_out_of_step_and_shares_its_own_again(

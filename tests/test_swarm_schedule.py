@@ -13,7 +13,9 @@ from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.progress import Progress, RoundClock
-from tscale_p2p.peers.schedule import LastSteps, Resync, RoundSchedule, group_consensus, resync_plan
+from tscale_p2p.peers.schedule import (
+    PAIR_PATIENCE, LastSteps, Resync, RoundSchedule, group_consensus, resync_plan,
+)
 from tscale_p2p.trainer import Trainer
 
 H = 10
@@ -93,6 +95,18 @@ def test_a_banned_peers_records_neither_hold_a_round_back_nor_count_in_its_group
     assert schedule.group_size(round_s=10.0) == 2 and clock.round_done(3, 16)  # 16 + 4 steps: H each
     clock.observe([honest, banned])  # its next records are left out too
     assert schedule.group_size(round_s=10.0) == 2
+
+
+def test_with_three_live_peers_a_pair_is_taken_only_with_a_peer_averaged_with_before():
+    """A pair has no majority: with three or more live a round waits for a larger group, unless its partner is
+    one this peer has averaged with (and not caught since), or it has gone PAIR_PATIENCE rounds without any."""
+    now = time.time()
+    three = RoundSchedule(clock_seeing(Progress(3, 4, 1.0, now, "b"), Progress(3, 4, 1.0, now, "c")), 2.0)
+    assert three.pair_partners(set(), set(), rounds_alone=0) == frozenset()
+    assert three.pair_partners({"b", "c"}, {"c"}, rounds_alone=PAIR_PATIENCE - 1) == {"b"}
+    assert three.pair_partners({"b"}, set(), rounds_alone=PAIR_PATIENCE) is None
+    two = RoundSchedule(clock_seeing(Progress(3, 4, 1.0, now, "b")), 2.0)
+    assert two.pair_partners(set(), set(), rounds_alone=0) is None  # a pair is all there is
 
 
 def test_a_round_is_given_up_after_two_windows_only_when_nobody_else_trains_towards_it():
