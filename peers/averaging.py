@@ -484,7 +484,7 @@ class SwarmAverager(AveragerBase):
         except BaseException:
             self._step_finished.set()
             raise
-        self._scheduled = _ScheduledRound(control, metadata, tuple(self._traffic.tolist()))
+        self._scheduled = _ScheduledRound(control, metadata, _partners(pair_partners), tuple(self._traffic.tolist()))
 
     @property
     def round_scheduled(self) -> bool:
@@ -515,7 +515,8 @@ class SwarmAverager(AveragerBase):
         else is refused and the round looks for another group (None: any pair is taken). In a pair neither
         contribution is a majority, so the robust rules cannot tell which of the two lies. Uses the
         round `schedule_round` prepared, if any, with the size it was scheduled with (it is dropped, and a round
-        begins from scratch, when it has failed meanwhile or was scheduled with other metadata). The tensors
+        begins from scratch, when it has failed meanwhile or was scheduled with other metadata or
+        `pair_partners`: the clock may have seen more peers since). The tensors
         are copied, so training may continue at once. Raises ValueError for a pseudo-gradient that is not
         finite or does not match the template (cancelling a scheduled round), and RuntimeError while the
         previous round is still pending.
@@ -528,8 +529,9 @@ class SwarmAverager(AveragerBase):
             self.cancel_scheduled_round()
             raise
         scheduled, self._scheduled = self._scheduled, None
-        if scheduled is not None and (scheduled.control.done() or scheduled.metadata != metadata):
-            cancel_step(scheduled.control)  # nobody to average with by now, or another base: start afresh
+        if scheduled is not None and (scheduled.control.done() or scheduled.metadata != metadata
+                                      or scheduled.pair_partners != _partners(pair_partners)):
+            cancel_step(scheduled.control)  # nobody to average with by now, another base or pair rule: afresh
             scheduled = None
         if scheduled is None:
             self._wait_for_last_step()
@@ -628,8 +630,7 @@ class SwarmAverager(AveragerBase):
         if group_size is not None and group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self._round_group_size.fill_(group_size or 0)  # read by the averager process as the step begins
-        partners = None if pair_partners is None else frozenset(pair_partners)
-        self.run_in_averager_process("_set_pair_partners", partners=partners)  # the pipe delivers it before the step
+        self.run_in_averager_process("_set_pair_partners", partners=_partners(pair_partners))  # the pipe delivers it before the step
 
     def _wait_for_last_step(self) -> None:
         # A round's result is out before the averager process is done with it: a round that failed still rolls
@@ -678,6 +679,8 @@ class SwarmAverager(AveragerBase):
             return
         other = next(peer for peer in group_info.peer_ids if peer != self.peer_id)
         if other.to_base58() not in self._pair_partners:
+            logger.info("not averaging in a pair with %s, a peer not averaged with yet, while three or more peers "
+                        "train: looking for a larger group", other)
             raise AllreduceException(
                 f"not averaging in a pair with {other}, a peer not averaged with yet, while three or more peers "
                 "train: looking for a group with a majority"
@@ -950,7 +953,12 @@ class _ScheduledRound:
 
     control: StepControl
     metadata: Any
+    pair_partners: Optional[frozenset[str]]
     traffic_before: tuple[int, ...]  # the averager's traffic counters when it was scheduled
+
+
+def _partners(pair_partners: Optional[Collection[str]]) -> Optional[frozenset[str]]:
+    return None if pair_partners is None else frozenset(pair_partners)
 
 
 class _RobustPartReducer(TensorPartReducer):

@@ -237,9 +237,12 @@ def test_a_peer_with_far_fewer_tokens_keeps_the_groups_average():
 
 def test_a_pair_with_a_peer_outside_pair_partners_is_refused_and_nothing_is_owed_for_it():
     """`pair_partners` names whom a round averages with in a group of two: the other member is refused (no
-    average for either, within the round timeout), and taken once it is named."""
+    average for either, within the round timeout), and taken once it is named. A round scheduled while any pair
+    would do follows the rule it is started with (the clock may have seen more peers meanwhile)."""
     grads, tokens = [random_grads(0), random_grads(1)], [1000.0, 1000.0]
     with swarm([OneBitCodec(), OneBitCodec()], round_timeout=6.0) as averagers:
+        for averager in averagers:
+            averager.schedule_round(0.5, tokens=1000.0, pair_partners=None)
         strangers = [a.start_round(g, tokens=t, pair_partners=()) for a, g, t in zip(averagers, grads, tokens)]
         for outcome in [p.result(timeout=40) for p in strangers]:
             assert outcome.averaged is None and outcome.error  # refused, then no group left to find
