@@ -160,7 +160,7 @@ class SwarmPeer:
         )
         self._tokens_in_round = 0
         self._in_flight: _InFlight | None = None
-        self._averaged_with: set[str] = set()  # peers met in a round that dropped nobody
+        self._averaged_with: set[str] = set()  # peers met in a round that averaged (pair partners, less the caught)
         self._rounds_alone = 0  # rounds in a row this peer has averaged with nobody
         self.clock = clock or RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
         self.schedule = RoundSchedule(self.clock, self.averager.matchmaking_time)
@@ -417,16 +417,22 @@ class SwarmPeer:
         self._rounds_alone = 0 if outcome.averaged is not None else self._rounds_alone + 1
         if outcome.averaged is not None and not outcome.dropped_peers:
             self.clock.confirm(outcome.group_peers)  # they really averaged with us: their progress counts fully
+        if outcome.averaged is not None:
             self._averaged_with.update(outcome.group_peers)
-        if self.averager.banned_count:
-            self.clock.leave_out(self.averager.banned_peers())
+        self._forget_banned()
         consensus = self._group_consensus(outcome) if outcome.averaged is not None else None
         if consensus is not None and consensus != flight.base:
             self._resync(flight, consensus, average)
 
     def _pair_partners(self) -> frozenset[str] | None:
         """Whom this round averages with in a group of two (`RoundSchedule.pair_partners`)."""
+        self._forget_banned()  # a ban that came after the last round (a proof, say) must not count as a live peer
         return self.schedule.pair_partners(self._averaged_with, self.averager.caught_peers(), self._rounds_alone)
+
+    def _forget_banned(self) -> None:
+        """Leave the peers this one has banned out of the round clock."""
+        if self.averager.banned_count:
+            self.clock.leave_out(self.averager.banned_peers())
 
     def _group_consensus(self, outcome: RoundOutcome) -> Base | None:
         """The base most of the group declared, peers this one has caught (rejected in some round, or banned)

@@ -7,6 +7,7 @@ the other peers' progress. tests/test_swarm.py runs the same loop end to end ove
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -299,8 +300,8 @@ def test_a_groupmate_caught_lying_does_not_vote_on_the_groups_base(corpus, tmp_p
 def test_with_three_live_peers_pairs_are_taken_only_with_peers_averaged_with_and_caught_ones_are_left_out(
         corpus, tmp_path):
     """Two others are live, so a pair holds no majority: the first round takes a pair with nobody, the next ones
-    with the peers of the round that averaged (less one caught since), and after PAIR_PATIENCE rounds in a row
-    without an average, with anyone."""
+    with the peers of the round that averaged (less one caught there: the round dropped it), and after
+    PAIR_PATIENCE rounds in a row without an average, with anyone."""
     clock = QuietClock()
     now = time.time()
     clock.observe([Progress(0, 0, 0.0, now, "peer-1"), Progress(0, 0, 0.0, now, "peer-2")])  # live, idle
@@ -308,7 +309,9 @@ def test_with_three_live_peers_pairs_are_taken_only_with_peers_averaged_with_and
     def rounds(number, gradient, metadata):
         if number > 1:
             return ScriptedRound()  # nobody else looking: given up
-        return averaged_with_group([0.5 * g for g in gradient], [metadata, metadata, metadata])
+        averaged = averaged_with_group([0.5 * g for g in gradient], [metadata, metadata, metadata])
+        averaged.outcome = dataclasses.replace(averaged.outcome, dropped_peers=1)
+        return averaged
 
     expected = [frozenset(), *[{"peer-0", "peer-1"}] * PAIR_PATIENCE, None]
     peer = make_peer(corpus, tmp_path / "pairs", rounds, max_steps=len(expected) * 3 * H, clock=clock,
