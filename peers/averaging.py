@@ -673,18 +673,21 @@ class SwarmAverager(AveragerBase):
     async def _set_pair_partners(self, partners: Optional[frozenset[str]]) -> None:
         self._pair_partners = partners
 
-    def _check_pair(self, group_info: GroupInfo) -> None:
-        """Refuse a group of two with a peer outside this round's `pair_partners` (see `start_round`)."""
+    def _refused_pair(self, group_info: GroupInfo) -> Optional[str]:
+        """Why this peer takes no average from this group (see `start_round`'s `pair_partners`), or None.
+
+        A refused pair is still averaged, and its result thrown away: the other member may not refuse (it may
+        have averaged with this peer before), and a peer that waited for parts that never came would stall its
+        round for the whole chunk timeout while its trainer runs on (measured: rounds of 20 s, whose oversized
+        updates the outer step then overshot). Taking part costs the refusing peer nothing it keeps."""
         if self._pair_partners is None or len(group_info.peer_ids) != 2:
-            return
+            return None
         other = next(peer for peer in group_info.peer_ids if peer != self.peer_id)
-        if other.to_base58() not in self._pair_partners:
-            logger.info("not averaging in a pair with %s, a peer not averaged with yet, while three or more peers "
-                        "train: looking for a larger group", other)
-            raise AllreduceException(
-                f"not averaging in a pair with {other}, a peer not averaged with yet, while three or more peers "
-                "train: looking for a group with a majority"
-            )
+        if other.to_base58() in self._pair_partners:
+            return None
+        logger.info("not averaging in a pair with %s, a peer not averaged with yet, while three or more peers "
+                    "train: looking for a larger group", other)
+        return f"a pair with {other}, a peer not averaged with yet, while three or more peers train"
 
     async def _banned_peers(self, future: MPFuture) -> None:
         future.set_result(dict(self._reputation.banned))
@@ -732,7 +735,7 @@ class SwarmAverager(AveragerBase):
     ):
         """Replace `tensors` (this peer's pseudo-gradient) by the group's 1-bit average, or raise and change nothing."""
         group_id = group_info.group_id if group_id is None else group_id
-        self._check_pair(group_info)
+        refused = self._refused_pair(group_info)
         if self._outgoing is None:  # hivemind retries after a failed attempt, which rolled the residual back
             self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
         sent = await self._outgoing
@@ -766,6 +769,8 @@ class SwarmAverager(AveragerBase):
                 averaged = [tensor async for tensor in runner]
                 self._evidence_books.keep(group_id, group_info.peer_ids, declarations, runner.signed_copies)
                 disputed = await self._agree_on_spans(runner, group_id)
+                if refused:
+                    raise AllreduceException(f"not taking the average of {refused}")
             finally:
                 self._round_dropped.fill_(len(runner.dropped_peers | set(disputed)))
                 self._record_rejections(runner)

@@ -79,8 +79,8 @@ class LyingReducer(SwarmAverager):
     factor: Callable = staticmethod(lambda runner, sender: -50.0)
     sign_lies: bool = True
 
-    def _check_pair(self, group_info) -> None:
-        pass  # an attacker takes any pair: it gains most there
+    def _refused_pair(self, group_info) -> None:
+        return None  # an attacker takes any pair: it gains most there
 
     def _make_runner(self, **kwargs):
         attack = {"factor": staticmethod(self.factor), "sign_lies": self.sign_lies}
@@ -123,8 +123,8 @@ class DisputingPeer(SwarmAverager):
 
     disputed: Callable[[int], range] = staticmethod(lambda group_size: range(group_size))
 
-    def _check_pair(self, group_info) -> None:
-        pass  # an attacker takes any pair
+    def _refused_pair(self, group_info) -> None:
+        return None  # an attacker takes any pair
 
     async def _agree_on_spans(self, runner, group_id):
         disputed = self.disputed(len(runner.reply_digests))

@@ -235,25 +235,29 @@ def test_a_peer_with_far_fewer_tokens_keeps_the_groups_average():
     assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
 
 
-def test_a_pair_with_a_peer_outside_pair_partners_is_refused_and_nothing_is_owed_for_it():
-    """`pair_partners` names whom a round averages with in a group of two: the other member is refused (no
-    average for either, within the round timeout), and taken once it is named. A round scheduled while any pair
+def test_a_pair_with_a_peer_outside_pair_partners_is_refused_without_stalling_the_other():
+    """`pair_partners` names whom a round averages with in a group of two. The refusing peer takes no average
+    (nothing is owed for it) but still takes part, so a partner that accepts the pair gets their average
+    instead of waiting out the chunk timeout for parts that never come; once named, the pair is taken. A round scheduled while any pair
     would do follows the rule it is started with (the clock may have seen more peers meanwhile)."""
     grads, tokens = [random_grads(0), random_grads(1)], [1000.0, 1000.0]
-    with swarm([OneBitCodec(), OneBitCodec()], round_timeout=6.0) as averagers:
-        for averager in averagers:
-            averager.schedule_round(0.5, tokens=1000.0, pair_partners=None)
-        strangers = [a.start_round(g, tokens=t, pair_partners=()) for a, g, t in zip(averagers, grads, tokens)]
-        for outcome in [p.result(timeout=40) for p in strangers]:
-            assert outcome.averaged is None and outcome.error  # refused, then no group left to find
-        for averager in averagers:  # nothing was sent, so nothing is owed (see the lone peer's test)
-            assert float(averager.error_feedback_state()["sender"].norm()) < 1e-6
-        ids = [str(a.peer_id) for a in averagers]
-        met = [a.start_round(g, tokens=t, pair_partners=ids) for a, g, t in zip(averagers, grads, tokens)]
+    with swarm([OneBitCodec(), OneBitCodec()], round_timeout=6.0, next_chunk_timeout=30.0) as (wary, trusting):
+        wary.schedule_round(0.5, tokens=1000.0, pair_partners=None)
+        refused = wary.start_round(grads[0], tokens=1000.0, pair_partners=())
+        taken = trusting.start_round(grads[1], tokens=1000.0).result(timeout=40)
+        # the refuser's parts and answers all came (a silent peer would have been dropped after the timeout)
+        assert taken.error is None and taken.group_size == 2 and taken.dropped_peers == 0
+        assert relative_error(taken.averaged, expected_first_round(grads, tokens)) < 1e-2
+        outcome = refused.result(timeout=40)
+        assert outcome.averaged is None and outcome.error  # refused, then no group left to find
+        assert float(wary.error_feedback_state()["sender"].norm()) < 1e-6  # nothing owed for the refused round
+        ids = [str(a.peer_id) for a in (wary, trusting)]
+        met = [a.start_round(g, tokens=t, pair_partners=ids) for a, g, t in zip((wary, trusting), grads, tokens)]
         outcomes = [p.result(timeout=40) for p in met]
     for outcome in outcomes:
         assert outcome.error is None and outcome.group_size == 2
-    assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+    for got, want in zip(*(outcome.averaged for outcome in outcomes)):
+        assert torch.equal(got, want)
 
 
 def test_a_round_scheduled_ahead_averages_one_all_reduce_after_it_starts():
