@@ -148,6 +148,10 @@ AGREEMENT_SIGMAS = 4.0
 # and cost +45% val loss in benchmarks/swarm_attacks.py.
 SPAN_AGREEMENT_TIMEOUT_S = 1.0
 
+# Longest an all-reduce waits for the pair rule the host has just sent (it travels on hivemind's control pipe,
+# which the averager process reads between its tasks): milliseconds normally, seconds on a starved CPU.
+PAIR_RULE_WAIT_S = 5.0
+
 _SENT, _RECEIVED, _VALUES_SENT, _VALUES_RECEIVED = 0, 1, 2, 3  # the averager's traffic counters
 
 
@@ -407,6 +411,10 @@ class SwarmAverager(AveragerBase):
         self._target_group_size = target_group_size
         self._round_group_size = torch.zeros((), dtype=torch.int64).share_memory_()  # the next step's; 0: none
         self._pair_partners: Optional[frozenset[str]] = None  # averager process: the round's `pair_partners`
+        # How many pair rules the host has sent, and (averager process) which one it holds: an all-reduce waits
+        # for the latest before it decides (the rule travels on the control pipe, the trigger does not).
+        self._pair_rules_sent = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._pair_rule_held = 0
         tensors = [view.view(t.shape) for view, t in zip(self._flat.split(sizes), template)]
         self._pending: Optional[PendingRound] = None
         self._scheduled: Optional[_ScheduledRound] = None  # matchmaking started ahead of the round's end
@@ -514,12 +522,11 @@ class SwarmAverager(AveragerBase):
         `pair_partners`: the peers (base58 ids) this peer averages with in a group of two; a pair with anyone
         else is refused and the round looks for another group (None: any pair is taken). In a pair neither
         contribution is a majority, so the robust rules cannot tell which of the two lies. Uses the
-        round `schedule_round` prepared, if any, with the size it was scheduled with (it is dropped, and a round
-        begins from scratch, when it has failed meanwhile or was scheduled with other metadata or
-        `pair_partners`: the clock may have seen more peers since). The tensors
-        are copied, so training may continue at once. Raises ValueError for a pseudo-gradient that is not
-        finite or does not match the template (cancelling a scheduled round), and RuntimeError while the
-        previous round is still pending.
+        round `schedule_round` prepared, if any, with the size it was scheduled with and these `pair_partners`
+        (it is dropped, and a round begins from scratch, when it has failed meanwhile or was scheduled with
+        other metadata). The tensors are copied, so training may continue at once. Raises ValueError for a
+        pseudo-gradient that is not finite or does not match the template (cancelling a scheduled round), and
+        RuntimeError while the previous round is still pending.
         """
         if self._pending is not None:
             raise RuntimeError("the previous round is still pending: call result() on it first")
@@ -529,9 +536,8 @@ class SwarmAverager(AveragerBase):
             self.cancel_scheduled_round()
             raise
         scheduled, self._scheduled = self._scheduled, None
-        if scheduled is not None and (scheduled.control.done() or scheduled.metadata != metadata
-                                      or scheduled.pair_partners != _partners(pair_partners)):
-            cancel_step(scheduled.control)  # nobody to average with by now, another base or pair rule: afresh
+        if scheduled is not None and (scheduled.control.done() or scheduled.metadata != metadata):
+            cancel_step(scheduled.control)  # nobody to average with by now, or another base: start afresh
             scheduled = None
         if scheduled is None:
             self._wait_for_last_step()
@@ -551,6 +557,10 @@ class SwarmAverager(AveragerBase):
             else:
                 control, traffic_before = scheduled.control, scheduled.traffic_before
                 control.weight = float(tokens)
+                if scheduled.pair_partners != _partners(pair_partners):
+                    # The clock may see more peers than when the round was scheduled. The group may be formed
+                    # already: leaving it would stall its other members, so the new rule goes to the all-reduce.
+                    self._send_pair_partners(pair_partners)
                 control.allow_allreduce()
         except BaseException:
             if scheduled is not None:
@@ -630,7 +640,12 @@ class SwarmAverager(AveragerBase):
         if group_size is not None and group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self._round_group_size.fill_(group_size or 0)  # read by the averager process as the step begins
-        self.run_in_averager_process("_set_pair_partners", partners=_partners(pair_partners))  # the pipe delivers it before the step
+        self._send_pair_partners(pair_partners)
+
+    def _send_pair_partners(self, pair_partners: Optional[Collection[str]]) -> None:
+        version = int(self._pair_rules_sent) + 1
+        self._pair_rules_sent.fill_(version)
+        self.run_in_averager_process("_set_pair_partners", partners=_partners(pair_partners), version=version)
 
     def _wait_for_last_step(self) -> None:
         # A round's result is out before the averager process is done with it: a round that failed still rolls
@@ -670,20 +685,28 @@ class SwarmAverager(AveragerBase):
                     self._undo_error_feedback(outgoing.result())
             self._step_finished.set()  # after the undo, which reads the pseudo-gradient buffers
 
-    async def _set_pair_partners(self, partners: Optional[frozenset[str]]) -> None:
-        self._pair_partners = partners
+    async def _set_pair_partners(self, partners: Optional[frozenset[str]], version: int) -> None:
+        self._pair_partners, self._pair_rule_held = partners, version
 
-    def _refused_pair(self, group_info: GroupInfo) -> Optional[str]:
+    async def _latest_pair_rule(self) -> Optional[frozenset[str]]:
+        """This round's `pair_partners`, once the control pipe has delivered the latest one the host sent."""
+        deadline = time.monotonic() + PAIR_RULE_WAIT_S
+        while self._pair_rule_held < int(self._pair_rules_sent) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self._pair_partners
+
+    async def _refused_pair(self, group_info: GroupInfo) -> Optional[str]:
         """Why this peer takes no average from this group (see `start_round`'s `pair_partners`), or None.
 
         A refused pair is still averaged, and its result thrown away: the other member may not refuse (it may
         have averaged with this peer before), and a peer that waited for parts that never came would stall its
         round for the whole chunk timeout while its trainer runs on (measured: rounds of 20 s, whose oversized
         updates the outer step then overshot). Taking part costs the refusing peer nothing it keeps."""
-        if self._pair_partners is None or len(group_info.peer_ids) != 2:
+        if len(group_info.peer_ids) != 2:
             return None
+        partners = await self._latest_pair_rule()
         other = next(peer for peer in group_info.peer_ids if peer != self.peer_id)
-        if other.to_base58() in self._pair_partners:
+        if partners is None or other.to_base58() in partners:
             return None
         logger.info("not averaging in a pair with %s, a peer not averaged with yet, while three or more peers "
                     "train: looking for a larger group", other)
@@ -735,7 +758,7 @@ class SwarmAverager(AveragerBase):
     ):
         """Replace `tensors` (this peer's pseudo-gradient) by the group's 1-bit average, or raise and change nothing."""
         group_id = group_info.group_id if group_id is None else group_id
-        refused = self._refused_pair(group_info)
+        refused = await self._refused_pair(group_info)
         if self._outgoing is None:  # hivemind retries after a failed attempt, which rolled the residual back
             self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
         sent = await self._outgoing

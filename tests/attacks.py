@@ -79,7 +79,7 @@ class LyingReducer(SwarmAverager):
     factor: Callable = staticmethod(lambda runner, sender: -50.0)
     sign_lies: bool = True
 
-    def _refused_pair(self, group_info) -> None:
+    async def _refused_pair(self, group_info) -> None:
         return None  # an attacker takes any pair: it gains most there
 
     def _make_runner(self, **kwargs):
@@ -123,7 +123,7 @@ class DisputingPeer(SwarmAverager):
 
     disputed: Callable[[int], range] = staticmethod(lambda group_size: range(group_size))
 
-    def _refused_pair(self, group_info) -> None:
+    async def _refused_pair(self, group_info) -> None:
         return None  # an attacker takes any pair
 
     async def _agree_on_spans(self, runner, group_id):
