@@ -483,7 +483,7 @@ class SwarmAverager(AveragerBase):
         self._step_finished.clear()
         wait_s = max(0.0, seconds_to_start)
         try:
-            self._set_round_group_size(group_size, pair_partners)
+            self._set_round_rules(group_size, pair_partners)
             control = self.step(
                 gather=self._gather(tokens, metadata), weight=float(tokens),
                 scheduled_time=get_dht_time() + wait_s, timeout=wait_s + self.round_timeout,
@@ -492,7 +492,7 @@ class SwarmAverager(AveragerBase):
         except BaseException:
             self._step_finished.set()
             raise
-        self._scheduled = _ScheduledRound(control, metadata, _partners(pair_partners), tuple(self._traffic.tolist()))
+        self._scheduled = _ScheduledRound(control, metadata, tuple(self._traffic.tolist()))
 
     @property
     def round_scheduled(self) -> bool:
@@ -520,10 +520,10 @@ class SwarmAverager(AveragerBase):
         clock sees training); the all-reduce then begins as soon as that many have joined, instead of when the
         matchmaking window closes (a peer beyond it is refused by the full group and gets no average).
         `pair_partners`: the peers (base58 ids) this peer averages with in a group of two; a pair with anyone
-        else is refused and the round looks for another group (None: any pair is taken). In a pair neither
-        contribution is a majority, so the robust rules cannot tell which of the two lies. Uses the
-        round `schedule_round` prepared, if any, with the size it was scheduled with and these `pair_partners`
-        (it is dropped, and a round begins from scratch, when it has failed meanwhile or was scheduled with
+        else is refused (this peer takes part but keeps nothing) and the round looks for another group (None: any
+        pair is taken). In a pair neither contribution is a majority, so the robust rules cannot tell which of the
+        two lies. Uses the round `schedule_round` prepared, if any, with the size it was scheduled with and these
+        `pair_partners` (it is dropped, and a round begins from scratch, when it has failed meanwhile or was scheduled with
         other metadata). The tensors are copied, so training may continue at once. Raises ValueError for a
         pseudo-gradient that is not finite or does not match the template (cancelling a scheduled round), and
         RuntimeError while the previous round is still pending.
@@ -549,7 +549,7 @@ class SwarmAverager(AveragerBase):
                     buffer.copy_(tensor.detach())
             if scheduled is None:
                 traffic_before = tuple(self._traffic.tolist())
-                self._set_round_group_size(group_size, pair_partners)
+                self._set_round_rules(group_size, pair_partners)
                 control = self.step(
                     gather=self._gather(tokens, metadata), weight=float(tokens),
                     timeout=self.round_timeout, wait=False,
@@ -557,10 +557,9 @@ class SwarmAverager(AveragerBase):
             else:
                 control, traffic_before = scheduled.control, scheduled.traffic_before
                 control.weight = float(tokens)
-                if scheduled.pair_partners != _partners(pair_partners):
-                    # The clock may see more peers than when the round was scheduled. The group may be formed
-                    # already: leaving it would stall its other members, so the new rule goes to the all-reduce.
-                    self._send_pair_partners(pair_partners)
+                # The clock may see more peers than when the round was scheduled. The group may be formed
+                # already: leaving it would stall its other members, so today's rule goes to the all-reduce.
+                self._send_pair_partners(pair_partners)
                 control.allow_allreduce()
         except BaseException:
             if scheduled is not None:
@@ -636,7 +635,7 @@ class SwarmAverager(AveragerBase):
             raise RuntimeError("this averager has no state_source to share")
         return self._state_source()
 
-    def _set_round_group_size(self, group_size: Optional[int], pair_partners: Optional[Collection[str]]) -> None:
+    def _set_round_rules(self, group_size: Optional[int], pair_partners: Optional[Collection[str]]) -> None:
         if group_size is not None and group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self._round_group_size.fill_(group_size or 0)  # read by the averager process as the step begins
@@ -645,7 +644,8 @@ class SwarmAverager(AveragerBase):
     def _send_pair_partners(self, pair_partners: Optional[Collection[str]]) -> None:
         version = int(self._pair_rules_sent) + 1
         self._pair_rules_sent.fill_(version)
-        self.run_in_averager_process("_set_pair_partners", partners=_partners(pair_partners), version=version)
+        partners = None if pair_partners is None else frozenset(pair_partners)
+        self.run_in_averager_process("_set_pair_partners", partners=partners, version=version)
 
     def _wait_for_last_step(self) -> None:
         # A round's result is out before the averager process is done with it: a round that failed still rolls
@@ -981,12 +981,7 @@ class _ScheduledRound:
 
     control: StepControl
     metadata: Any
-    pair_partners: Optional[frozenset[str]]
     traffic_before: tuple[int, ...]  # the averager's traffic counters when it was scheduled
-
-
-def _partners(pair_partners: Optional[Collection[str]]) -> Optional[frozenset[str]]:
-    return None if pair_partners is None else frozenset(pair_partners)
 
 
 class _RobustPartReducer(TensorPartReducer):
