@@ -74,7 +74,7 @@ class OneBitAllReduce:
     server_residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     wire: WireCount = field(default_factory=WireCount)
     # Scratch vectors per bucket, kept between steps: on the CPU a fresh bucket-sized vector costs more in page
-    # faults than the pass that fills it (measured: 28 ms for 10.8M values, against 4 ms to overwrite one).
+    # faults than the pass that fills it (the step-time gain is in benchmarks/RESULTS.md, synchronous mode).
     _scratch: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
