@@ -11,7 +11,7 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    expected shape, is not finite, carries a non-positive weight, or has a norm above `max_norm_ratio` times the
    reducer's own part (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`). What is left is not
    averaged but aggregated robustly (peers/robust.py: CenteredClip, token weights capped at the group's median,
-   contributions far from the group's or colluding left out). Senders check the averages they get back against
+   contributions opposed to most others', far from the group's or colluding left out). Senders check the averages they get back against
    the parts they sent (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose average could not come
    from an honest reducer (-50x the average, or its opposite) fails as a whole.
 3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which
@@ -1046,6 +1046,8 @@ class _RobustPartReducer(TensorPartReducer):
         parts = torch.stack([contributions[i][0].reshape(-1).float() for i in senders])
         tokens = torch.tensor([contributions[i][1] for i in senders], dtype=torch.float64)
         result = robust_aggregate(parts, tokens)
+        for k in result.opposed:
+            self.flagged.setdefault(senders[k], "a part pointing against the group's")
         for k in result.far:
             self.flagged.setdefault(senders[k], "a part far from the group's")
         for k in result.colluding:

@@ -12,6 +12,13 @@ Claimed token counts weigh contributions, but none above the group's (high) medi
 tokens weighs as much as a typical peer, not more.
 
 The verdict flags contributions that no honest peer would send, for reputation (peers/reputation.py):
+- **opposed:** pointing against most of the others (cosine below `-OPPOSED_COS`), as long as such parts are a
+  minority of the group. Peers that train one model move their weights the same way: their updates of one span
+  have cosines of 0.3-0.98 with each other (3 peers of e64h4d2w128, 12 rounds of H=50: benchmarks/RESULTS.md),
+  while a sign-flipped update of any length has about minus that. A flip too short to be "far" (2-3x an honest
+  update) still moves the clipped result by up to half the clipping radius in a group of three, against the
+  others, round after round; this is what catches it. Checked first: such a part also skews the result the
+  "far" test measures against.
 - **far:** further from the result than `FAR_RATIO` times the median distance *and* than its own share of the
   result allows (a peer that trained on more tokens may have moved further). A late joiner a few steps into its
   round sends a small update: it lies near zero, within one result's length, and is never flagged.
@@ -32,6 +39,7 @@ TAU_FACTOR = 2.0  # clipping radius: this times the median distance of the contr
 CLIP_ITERATIONS = 20  # CenteredClip converges geometrically; 20 steps leave it moving by < 1e-4 of tau here
 FAR_RATIO = 3.0  # "far": beyond this times the median distance to the result (honest distances concentrate)
 FAR_TOKEN_ALLOWANCE = 4.0  # a peer with k times the median tokens may lie up to (1 + k) results away, k <= this
+OPPOSED_COS = 0.05  # "opposed": a cosine below minus this (honest peers measure +0.3 and more); see _opposed
 COLLUSION_DISTANCE = 0.25  # "colluding": two contributions closer than this times the median pairwise distance
 SMALL_SHARE = 0.5  # a contribution shorter than this times the result is never taken for a colluder
 
@@ -43,10 +51,11 @@ class RobustResult:
     aggregate: torch.Tensor
     far: frozenset[int]
     colluding: frozenset[int]
+    opposed: frozenset[int] = frozenset()
 
     @property
     def flagged(self) -> frozenset[int]:
-        return self.far | self.colluding
+        return self.far | self.colluding | self.opposed
 
 
 def high_median(values: torch.Tensor) -> float:
@@ -86,20 +95,23 @@ def centered_clip(parts: torch.Tensor, weights: torch.Tensor, start: torch.Tenso
 def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`.
 
-    Flagged contributions are left out of the result: first the far ones, then, among the rest, colluding ones.
+    Flagged contributions are left out of the result: first the opposed ones, then, among the rest, the far ones,
+    then colluding ones.
     """
     tokens = tokens.to(torch.float64)
-    kept = list(range(parts.shape[0]))
-    aggregate = _clipped_mean(parts, tokens)
-    far = _far(parts, tokens, aggregate)
+    gram = (parts @ parts.T).double()  # every pairwise test reads it: one pass over the parts
+    opposed = _opposed(gram, parts.shape[1])
+    kept = [i for i in range(parts.shape[0]) if i not in opposed]
+    aggregate = _clipped_mean(parts[kept], tokens[kept])
+    far = frozenset(kept[i] for i in _far(parts[kept], tokens[kept], aggregate))
     if far:
         kept = [i for i in kept if i not in far]
         aggregate = _clipped_mean(parts[kept], tokens[kept])
-    colluding = frozenset(kept[i] for i in _colluding(parts[kept], aggregate))
+    colluding = frozenset(kept[i] for i in _colluding(parts[kept], gram[kept][:, kept], aggregate))
     if colluding:
         kept = [i for i in kept if i not in colluding]
         aggregate = _clipped_mean(parts[kept], tokens[kept])
-    return RobustResult(aggregate, far, colluding)
+    return RobustResult(aggregate, far, colluding, opposed)
 
 
 def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -124,10 +136,23 @@ def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> 
     return frozenset(i for i, d in enumerate(distances.tolist()) if d > FAR_RATIO * typical and d > float(reach[i]))
 
 
-def _colluding(parts: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:
+def _opposed(gram: torch.Tensor, dimension: int) -> frozenset[int]:
+    n = gram.shape[0]
+    if n < 3:  # with two contributions, neither is the majority
+        return frozenset()
+    norms = gram.diagonal().clamp(min=0).sqrt()
+    cosines = gram / (norms.unsqueeze(0) * norms.unsqueeze(1)).clamp(min=torch.finfo(torch.float64).tiny)
+    # Unrelated vectors of d values have cosines of about +-1/sqrt(d): a short span needs a wider margin.
+    against = cosines < -max(OPPOSED_COS, 4 / dimension**0.5)
+    against.fill_diagonal_(False)
+    suspect = [i for i in range(n) if 2 * int(against[i].sum()) > n - 1]
+    return frozenset(suspect) if 2 * len(suspect) < n else frozenset()  # a majority cannot be the odd ones out
+
+
+def _colluding(parts: torch.Tensor, gram: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:
     if parts.shape[0] < 3:
         return frozenset()
-    gram = (parts @ parts.T).double()  # pairwise distances from the n x n Gram matrix: one pass over the parts
+    # pairwise distances from the n x n Gram matrix
     squared = gram.diagonal()
     distances = (squared.unsqueeze(0) + squared.unsqueeze(1) - 2 * gram).clamp(min=0).sqrt()
     pairs = torch.triu_indices(parts.shape[0], parts.shape[0], offset=1)

@@ -46,17 +46,38 @@ def test_clean_contributions_average_to_their_weighted_mean():
     assert not result.flagged
 
 
-@pytest.mark.parametrize("attack", [lambda g: -10 * g, lambda g: 90 * g], ids=["sign_flip_x10", "scaled_x90"])
-def test_a_far_contribution_is_flagged_and_left_out_whatever_weight_it_claims(attack):
+@pytest.mark.parametrize("attack, verdict", [
+    (lambda g: 90 * g, "far"),
+    (lambda g: -10 * g, "opposed"),
+    (lambda g: -3 * g, "opposed"),  # too short to be far: alone it moved a group of three's result by its length
+    (lambda g: -0.5 * g, "opposed"),
+], ids=["scaled_x90", "sign_flip_x10", "sign_flip_x3", "sign_flip_x0.5"])
+def test_an_attacking_contribution_is_flagged_and_left_out_whatever_weight_it_claims(attack, verdict):
     *honest, own = honest_updates(4, seed=1)
-    parts = torch.stack([*honest, attack(own)])
-    result = robust_aggregate(parts, torch.tensor([1000.0, 1000.0, 1000.0, 1e12]))
-    assert result.far == {3} and not result.colluding
-    assert relative(result.aggregate, torch.stack(honest).mean(dim=0)) < 1e-5
-    # 2 honest + 1: the same
-    result = robust_aggregate(torch.stack([*honest[:2], attack(own)]), torch.tensor([1000.0, 1000.0, 1e12]))
-    assert result.far == {2}
-    assert relative(result.aggregate, torch.stack(honest[:2]).mean(dim=0)) < 1e-5
+    for group in (honest, honest[:2]):  # 3 honest + 1, and 2 + 1
+        parts = torch.stack([*group, attack(own)])
+        tokens = torch.tensor([1000.0] * len(group) + [1e12])
+        result = robust_aggregate(parts, tokens)
+        assert getattr(result, verdict) == {len(group)} and result.flagged == {len(group)}
+        assert relative(result.aggregate, torch.stack(group).mean(dim=0)) < 1e-5
+
+
+def test_peers_whose_updates_barely_agree_are_not_taken_for_opposed():
+    """Updates with cosines of about 0.1 with each other (less than measured between real peers): none is
+    flagged, nor are the small updates of late joiners among them."""
+    generator = torch.Generator().manual_seed(7)
+    common = 0.35 * torch.randn(D, generator=generator)
+    parts = [onebit(common + torch.randn(D, generator=generator)) for _ in range(5)]
+    parts[4] = 0.02 * parts[4]
+    for n in (3, 4, 5):
+        assert not robust_aggregate(torch.stack(parts[:n]), torch.full((n,), 1000.0)).flagged
+
+
+def test_a_majority_pointing_against_the_rest_flags_nobody_as_opposed():
+    """Two honest peers and two flippers (each its own update): from inside, either pair opposes the other."""
+    *honest, own_a, own_b = honest_updates(4, seed=8)
+    result = robust_aggregate(torch.stack([*honest, -3 * own_a, -3 * own_b]), torch.full((4,), 1000.0))
+    assert not result.opposed
 
 
 def test_a_little_is_enough_pair_is_flagged_as_colluding_and_left_out():
