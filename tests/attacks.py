@@ -35,6 +35,7 @@ def alie(honest: Sequence[torch.Tensor]) -> torch.Tensor:
 
 SENDER_ATTACKS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sign_flip": lambda g: -10.0 * g,  # its update, sign-flipped and 10x
+    "short_sign_flip": lambda g: -2.0 * g,  # sign-flipped and 2x: too short for the far test
     "scaled": lambda g: 90.0 * g,  # its update 90x, just under the contribution norm bound (100x)
 }
 CLAIMED_TOKENS = {"heavy_sign_flip": 1e12}  # a token claim to pair with an attack
