@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 TAU_FACTOR = 2.0  # clipping radius: this times the median distance of the contributions to their median
+MEDIAN_BLOCK_VALUES = 1 << 18  # coordinate_median sorts blocks of this many values (1 MiB), in cache
 CLIP_ITERATIONS = 20  # CenteredClip converges geometrically; 20 steps leave it moving by < 1e-4 of tau here
 FAR_RATIO = 3.0  # "far": beyond this times the median distance to the result (honest distances concentrate)
 FAR_TOKEN_ALLOWANCE = 4.0  # a peer with k times the median tokens may lie up to (1 + k) results away, k <= this
@@ -71,25 +72,46 @@ def capped_weights(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
-    """The median of each coordinate over the rows of `parts` (the mean of the middle two for an even count)."""
-    ordered = parts.sort(dim=0).values
-    n = parts.shape[0]
-    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+    """The median of each coordinate over the rows of `parts` (the mean of the middle two for an even count).
+
+    A group has few rows and a part many columns, where torch.sort along the rows is slow (benchmarks/RESULTS.md):
+    instead each block of columns, small enough to stay in cache, is sorted by odd-even transposition (n rounds of
+    elementwise min/max between neighbouring rows).
+    """
+    n, columns = parts.shape
+    median = torch.empty(columns, dtype=parts.dtype)
+    width = max(1024, MEDIAN_BLOCK_VALUES // n)
+    for begin in range(0, columns, width):
+        rows = parts[:, begin : begin + width].clone()
+        for round_number in range(n):
+            first = round_number % 2
+            lower, upper = rows[first : n - 1 : 2], rows[first + 1 : n : 2]
+            rows[first : n - 1 : 2], rows[first + 1 : n : 2] = torch.minimum(lower, upper), torch.maximum(lower, upper)
+        torch.add(rows[(n - 1) // 2], rows[n // 2], out=median[begin : begin + width]).div_(2)
+    return median
 
 
-def centered_clip(parts: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, tau: float) -> torch.Tensor:
-    """CenteredClip: the fixed point of v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i, from `start`."""
-    share = (weights / weights.sum()).to(parts.dtype)
-    centre = start.clone()
+def centered_clip(offsets: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, tau: float) -> torch.Tensor:
+    """CenteredClip: the fixed point of v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i, from `start`, where
+    `offsets` holds the rows x_i - start.
+
+    The centre stays a combination `start + c @ offsets`, so every iteration works on the n x n Gram matrix of the
+    offsets (distances, steps) and the part's values are read twice in all, not three times an iteration.
+    """
+    share = (weights / weights.sum()).double()
+    gram = (offsets @ offsets.T).double()
+    coefficients = torch.zeros_like(share)
     for _ in range(CLIP_ITERATIONS):
-        deviations = parts - centre
-        norms = deviations.norm(dim=1)
-        clip = torch.where(norms > tau, tau / norms.clamp(min=torch.finfo(parts.dtype).tiny), torch.ones_like(norms))
-        step = (share * clip) @ deviations
-        centre += step
-        if float(step.norm()) <= 1e-6 * tau:
+        towards_centre = gram @ coefficients
+        squared = gram.diagonal() - 2 * towards_centre + coefficients @ towards_centre  # |x_i - v|^2
+        norms = squared.clamp(min=0).sqrt()
+        clip = torch.where(norms > tau, tau / norms.clamp(min=torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
+        pull = share * clip
+        step = pull - pull.sum() * coefficients  # sum_i pull_i (x_i - v), in coefficients of the offsets
+        coefficients += step
+        if max(float(step @ gram @ step), 0.0) ** 0.5 <= 1e-6 * tau:
             break
-    return centre
+    return start + coefficients.to(offsets.dtype) @ offsets
 
 
 def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
@@ -100,17 +122,21 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     """
     tokens = tokens.to(torch.float64)
     gram = (parts @ parts.T).double()  # every pairwise test reads it: one pass over the parts
+
+    def rows(kept: list[int]) -> torch.Tensor:  # indexing copies the part: only when some row is left out
+        return parts if len(kept) == parts.shape[0] else parts[kept]
+
     opposed = _opposed(gram, parts.shape[1])
     kept = [i for i in range(parts.shape[0]) if i not in opposed]
-    aggregate = _clipped_mean(parts[kept], tokens[kept])
-    far = frozenset(kept[i] for i in _far(parts[kept], tokens[kept], aggregate))
+    aggregate = _clipped_mean(rows(kept), tokens[kept])
+    far = frozenset(kept[i] for i in _far(rows(kept), tokens[kept], aggregate))
     if far:
         kept = [i for i in kept if i not in far]
-        aggregate = _clipped_mean(parts[kept], tokens[kept])
-    colluding = frozenset(kept[i] for i in _colluding(parts[kept], gram[kept][:, kept], aggregate))
+        aggregate = _clipped_mean(rows(kept), tokens[kept])
+    colluding = frozenset(kept[i] for i in _colluding(rows(kept), gram[kept][:, kept], aggregate))
     if colluding:
         kept = [i for i in kept if i not in colluding]
-        aggregate = _clipped_mean(parts[kept], tokens[kept])
+        aggregate = _clipped_mean(rows(kept), tokens[kept])
     return RobustResult(aggregate, far, colluding, opposed)
 
 
@@ -121,8 +147,9 @@ def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     if parts.shape[0] == 1:
         return parts[0].clone()
     start = coordinate_median(parts)
-    tau = TAU_FACTOR * float((parts - start).norm(dim=1).median())
-    return start if tau == 0 else centered_clip(parts, weights, start, tau)
+    offsets = parts - start
+    tau = TAU_FACTOR * float(offsets.norm(dim=1).median())
+    return start if tau == 0 else centered_clip(offsets, weights, start, tau)
 
 
 def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:

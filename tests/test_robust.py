@@ -18,7 +18,7 @@ from tscale_p2p.cli import main
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.codec import OneBitCodec
 from tscale_p2p.peers.reputation import PeerReputation
-from tscale_p2p.peers.robust import robust_aggregate
+from tscale_p2p.peers.robust import centered_clip, coordinate_median, robust_aggregate
 
 D = 8192
 
@@ -36,6 +36,29 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 # ---- the rule, in one process ----
+
+@pytest.mark.parametrize("rows, columns", [(1, 1000), (2, 1000), (3, 1000), (4, 1000), (5, 1000), (8, 1000),
+                                           (3, 200_000), (16, 40_000)])  # the last two: several blocks of columns
+def test_the_coordinate_median_is_the_middle_value_or_the_mean_of_the_middle_two(rows, columns):
+    parts = torch.randn(rows, columns, generator=torch.Generator().manual_seed(rows))
+    assert torch.allclose(coordinate_median(parts), parts.quantile(0.5, dim=0), atol=1e-6)
+
+
+def test_centered_clip_stops_where_the_clipped_pulls_balance():
+    """Its defining property: at the result v, sum_i w_i clip_tau(x_i - v) is zero. Two far parts and three
+    near ones, so that some pulls are clipped and some are not."""
+    generator = torch.Generator().manual_seed(9)
+    parts = torch.randn(5, D, generator=generator)
+    parts[3:] += 8 * torch.randn(2, D, generator=generator)
+    weights = torch.tensor([1.0, 2.0, 1.0, 3.0, 1.0], dtype=torch.float64)
+    start = coordinate_median(parts)
+    tau = 1.5 * float((parts - start).norm(dim=1).min())
+    centre = centered_clip(parts - start, weights, start, tau)
+    deviations = (parts - centre).double()
+    norms = deviations.norm(dim=1)
+    assert (norms > tau).any() and (norms < tau).any()
+    pulls = (weights * torch.clamp(tau / norms, max=1.0)) @ deviations
+    assert float(pulls.norm()) < 1e-4 * tau * float(weights.sum())
 
 def test_clean_contributions_average_to_their_weighted_mean():
     parts = torch.stack(honest_updates(4, seed=0))
