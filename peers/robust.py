@@ -14,7 +14,7 @@ tokens weighs as much as a typical peer, not more.
 The verdict flags contributions that no honest peer would send, for reputation (peers/reputation.py):
 - **opposed:** pointing against most of the others (cosine below `-OPPOSED_COS`), as long as such parts are a
   minority of the group. Peers that train one model move their weights the same way: their updates of one span
-  have cosines of 0.3-0.98 with each other (3 peers of e64h4d2w128, 12 rounds of H=50: benchmarks/RESULTS.md),
+  have cosines of 0.27-0.98 with each other (3 peers of e64h4d2w128, 12 rounds of H=50: benchmarks/RESULTS.md),
   while a sign-flipped update of any length has about minus that. A flip too short to be "far" (2-3x an honest
   update) still moves the clipped result by up to half the clipping radius in a group of three, against the
   others, round after round; this is what catches it. Checked first: such a part also skews the result the
@@ -40,7 +40,7 @@ MEDIAN_BLOCK_VALUES = 1 << 18  # coordinate_median sorts blocks of this many val
 CLIP_ITERATIONS = 20  # CenteredClip converges geometrically; 20 steps leave it moving by < 1e-4 of tau here
 FAR_RATIO = 3.0  # "far": beyond this times the median distance to the result (honest distances concentrate)
 FAR_TOKEN_ALLOWANCE = 4.0  # a peer with k times the median tokens may lie up to (1 + k) results away, k <= this
-OPPOSED_COS = 0.05  # "opposed": a cosine below minus this (honest peers measure +0.3 and more); see _opposed
+OPPOSED_COS = 0.05  # "opposed": a cosine below minus this (honest peers measure +0.27 and more); see _opposed
 COLLUSION_DISTANCE = 0.25  # "colluding": two contributions closer than this times the median pairwise distance
 SMALL_SHARE = 0.5  # a contribution shorter than this times the result is never taken for a colluder
 
