@@ -11,6 +11,7 @@ with its averager altered by tests/attacks.py (the attacks live with the tests, 
 - sign_flip          sends -10x its update
 - heavy_sign_flip    the same, claiming 10^12 tokens
 - short_sign_flip    sends -2x its update: too short for the far test
+- patient_sign_flip  sends its honest update for 3 rounds (it becomes a pair partner), then -2x it
 - scaled             sends 90x its update, just under the contribution norm bound (100x)
 - lying_reducer      as a reducer, answers -50x the true average of its span, to everyone
 - two_faced_reducer  as a reducer, the truth to one groupmate and 50x it to the others, each signed

@@ -24,6 +24,7 @@ from tscale_p2p.peers.averaging import SwarmAverager, _OneBitAllReduceRunner
 from tscale_p2p.peers.span_agreement import DIGEST_BYTES, digest_message, signature_message, span_digest
 
 ALIE_Z = 1.0  # "A Little Is Enough": shift each coordinate by this many standard deviations of the honest ones
+PATIENT_ROUNDS = 3  # a patient attacker sends honest updates for this many rounds first
 
 
 def alie(honest: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -198,6 +199,18 @@ class _Colluder:
         return [torch.load(p) for p in others]
 
 
+class _Patient:
+    """Sends its honest update for its first `rounds` rounds, so that honest peers take it for a pair partner,
+    then `attack` of it."""
+
+    def __init__(self, attack: Callable[[torch.Tensor], torch.Tensor], rounds: int):
+        self.attack, self.rounds, self.seen = attack, rounds, 0
+
+    def __call__(self, pseudo_gradient: list[torch.Tensor], metadata) -> list[torch.Tensor]:
+        self.seen += 1
+        return pseudo_gradient if self.seen <= self.rounds else [self.attack(t) for t in pseudo_gradient]
+
+
 def attacking_averager(attack: str, folder: Path | None) -> type[SwarmAverager]:
     """`join`'s SwarmAverager, turned into the attacker named `attack`."""
     if attack in REDUCER_ATTACKS:
@@ -206,6 +219,8 @@ def attacking_averager(attack: str, folder: Path | None) -> type[SwarmAverager]:
     if attack in SENDER_ATTACKS:
         def transform(pseudo_gradient, metadata):
             return [SENDER_ATTACKS[attack](t) for t in pseudo_gradient]
+    elif attack == "patient_sign_flip":
+        transform = _Patient(SENDER_ATTACKS["short_sign_flip"], PATIENT_ROUNDS)
     elif attack in ("alie", "alie_pair"):
         transform = _Colluder(folder if attack == "alie_pair" else None)
     else:
