@@ -53,13 +53,18 @@ class Resync(enum.Enum):
     STAY = "stay out of step"  # nobody shared the group's state: try again next round
 
 
+def declared_base(metadata: object) -> Base | None:
+    """The base a groupmate declared in its round's metadata; None if it is not a well-formed one."""
+    if not isinstance(metadata, dict):
+        return None
+    round_number, weights = metadata.get("round"), metadata.get("weights")
+    return (round_number, weights) if isinstance(round_number, int) and isinstance(weights, str) else None
+
+
 def group_consensus(metadata: Sequence[object]) -> Base | None:
     """The base most members of an averaging group declared (ties: the later round, then the smaller
     fingerprint, so every member picks the same one); None if nobody declared a well-formed base."""
-    bases = []
-    for item in metadata:
-        if isinstance(item, dict) and isinstance(item.get("round"), int) and isinstance(item.get("weights"), str):
-            bases.append((item["round"], item["weights"]))
+    bases = [base for base in map(declared_base, metadata) if base is not None]
     if not bases:
         return None
     counts = Counter(bases)

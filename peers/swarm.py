@@ -41,7 +41,15 @@ from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.progress import RoundClock
 from tscale_p2p.peers.run_config import RunConfig, SignedRun
-from tscale_p2p.peers.schedule import Base, LastSteps, Resync, RoundSchedule, group_consensus, resync_plan
+from tscale_p2p.peers.schedule import (
+    Base,
+    LastSteps,
+    Resync,
+    RoundSchedule,
+    declared_base,
+    group_consensus,
+    resync_plan,
+)
 from tscale_p2p.peers.state_download import StateCheck, announce_state
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm_report import SwarmReport
@@ -160,7 +168,7 @@ class SwarmPeer:
         )
         self._tokens_in_round = 0
         self._in_flight: _InFlight | None = None
-        self._averaged_with: set[str] = set()  # peers met in a round that averaged (pair partners, less the caught)
+        self._averaged_with: set[str] = set()  # in-step peers of rounds that averaged (pair partners, less the caught)
         self._rounds_alone = 0  # rounds in a row this peer has averaged with nobody
         self.clock = clock or RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
         self.schedule = RoundSchedule(self.clock, self.averager.matchmaking_time)
@@ -418,7 +426,10 @@ class SwarmPeer:
         if outcome.averaged is not None and not outcome.dropped_peers:
             self.clock.confirm(outcome.group_peers)  # they really averaged with us: their progress counts fully
         if outcome.averaged is not None:
-            self._averaged_with.update(outcome.group_peers)
+            # Only groupmates in step with us: a part declared on other weights is left out without a strike, so
+            # such a peer was never checked (an attacker out of step in its first group became a partner so).
+            self._averaged_with.update(peer for peer, metadata in zip(outcome.group_peers, outcome.group_metadata)
+                                       if declared_base(metadata) == flight.base)
         self._forget_banned()
         consensus = self._group_consensus(outcome) if outcome.averaged is not None else None
         if consensus is not None and consensus != flight.base:

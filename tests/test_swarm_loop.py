@@ -300,8 +300,8 @@ def test_a_groupmate_caught_lying_does_not_vote_on_the_groups_base(corpus, tmp_p
 def test_with_three_live_peers_pairs_are_taken_only_with_peers_averaged_with_and_caught_ones_are_left_out(
         corpus, tmp_path):
     """Two others are live, so a pair holds no majority: the first round takes a pair with nobody, the next ones
-    with the peers of the round that averaged (less one caught there: the round dropped it), and after
-    PAIR_PATIENCE rounds in a row without an average, with anyone."""
+    with the peers of the round that averaged (less one caught there: the round dropped it, and one out of step:
+    its part was left out unchecked), and after PAIR_PATIENCE rounds in a row without an average, with anyone."""
     clock = QuietClock()
     now = time.time()
     clock.observe([Progress(0, 0, 0.0, now, "peer-1"), Progress(0, 0, 0.0, now, "peer-2")])  # live, idle
@@ -309,7 +309,8 @@ def test_with_three_live_peers_pairs_are_taken_only_with_peers_averaged_with_and
     def rounds(number, gradient, metadata):
         if number > 1:
             return ScriptedRound()  # nobody else looking: given up
-        averaged = averaged_with_group([0.5 * g for g in gradient], [metadata, metadata, metadata])
+        out_of_step = {"round": 7, "weights": "0123456789ab"}
+        averaged = averaged_with_group([0.5 * g for g in gradient], [metadata, metadata, metadata, out_of_step])
         averaged.outcome = dataclasses.replace(averaged.outcome, dropped_peers=1)
         return averaged
 
