@@ -619,11 +619,12 @@ class SwarmAverager(AveragerBase):
         self.run_in_averager_process("_banned_peers", future=future)
         return future.result()
 
-    def caught_peers(self) -> set[str]:
+    def caught_peers(self, disputed: bool = False) -> set[str]:
         """Peers this one has rejected in some round of the run, or banned (their votes on the group's base are
-        not counted: peers/swarm.py)."""
+        not counted: peers/swarm.py); with `disputed`, also reducers whose span a groupmate got another average
+        of (`PeerReputation.disputed`)."""
         future = MPFuture()
-        self.run_in_averager_process("_caught_peers", future=future)
+        self.run_in_averager_process("_caught_peers", future=future, disputed=disputed)
         return future.result()
 
     @property
@@ -716,8 +717,8 @@ class SwarmAverager(AveragerBase):
     async def _banned_peers(self, future: MPFuture) -> None:
         future.set_result(dict(self._reputation.banned))
 
-    async def _caught_peers(self, future: MPFuture) -> None:
-        future.set_result(self._reputation.caught)
+    async def _caught_peers(self, future: MPFuture, disputed: bool) -> None:
+        future.set_result(self._reputation.caught | (self._reputation.disputed if disputed else set()))
 
     def _record_rejections(self, runner: "_OneBitAllReduceRunner") -> None:
         rejected = {peer.to_base58(): why for peer, why in runner.rejected.items()}
@@ -838,6 +839,7 @@ class SwarmAverager(AveragerBase):
                 continue  # lost here already
             logger.info("dropping %s's span this round: a groupmate got another average of it", peers[index])
             dropped[peers[index]] = runner.span_ranges(index)
+            self._reputation.disputed.add(peers[index].to_base58())
         voters = {peer: digests for peer, digests in received.items() if peer not in runner.banned}
         for index in outvoted_reducers(peers, runner.peer_id, mine, voters):
             runner.refuse_reducer(peers[index], "an average most of its group refused or got otherwise")

@@ -26,6 +26,9 @@ class PeerReputation:
     ban_after: int = BAN_AFTER
     strikes: dict[str, int] = field(default_factory=dict)
     banned: dict[str, str] = field(default_factory=dict)  # peer id -> the last reason it was rejected for
+    # Reducers whose span a groupmate got another average of: no strike (the groupmate may be the liar), but
+    # not trusted as a pair partner either (an unsigned two-faced reducer, told apart by nobody, was).
+    disputed: set[str] = field(default_factory=set)
 
     def record_round(self, rejected: dict[str, str]) -> list[str]:
         """Count one strike for each peer rejected in a round (peer id -> why); return those banned by it."""

@@ -96,7 +96,7 @@ class RoundAverager(Protocol):
 
     def banned_peers(self) -> dict[str, str]: ...
 
-    def caught_peers(self) -> set[str]: ...
+    def caught_peers(self, disputed: bool = False) -> set[str]: ...
 
     def shutdown(self) -> None: ...
 
@@ -438,7 +438,8 @@ class SwarmPeer:
     def _pair_partners(self) -> frozenset[str] | None:
         """Whom this round averages with in a group of two (`RoundSchedule.pair_partners`)."""
         self._forget_banned()  # a ban that came after the last round (a proof, say) must not count as a live peer
-        return self.schedule.pair_partners(self._averaged_with, self.averager.caught_peers(), self._rounds_alone)
+        untrusted = self.averager.caught_peers(disputed=True)
+        return self.schedule.pair_partners(self._averaged_with, untrusted, self._rounds_alone)
 
     def _forget_banned(self) -> None:
         """Leave the peers this one has banned out of the round clock."""

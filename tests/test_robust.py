@@ -13,7 +13,15 @@ import torch
 from test_averaging import SHAPES, expected_first_round, onebit, relative_error, swarm
 from test_swarm import TINY, bootstrap_with_hivemind_dht, join_args, join_flags, shared_weights, spawn, text_file  # noqa: F401 (fixtures)
 
-from attacks import DisputingOnePeer, DisputingPeer, FlippingReducer, LyingReducer, TwoFacedReducer, alie
+from attacks import (
+    DisputingOnePeer,
+    DisputingPeer,
+    FlippingReducer,
+    LyingReducer,
+    TwoFacedReducer,
+    UnsignedTwoFacedReducer,
+    alie,
+)
 from tscale_p2p.cli import main
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.codec import OneBitCodec
@@ -339,6 +347,23 @@ def test_a_reducer_telling_peers_different_averages_loses_its_span_on_every_hone
             assert 0.1 < float((got[0] == 0).float().mean()) < 0.5  # the liar's span, about a quarter
             assert all(o.dropped_peers == 1 for o in outcomes)
         assert_banned_by_all(honest, [liar])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_an_unsigned_two_faced_reducer_is_no_pair_partner_of_the_peer_it_told_the_truth():
+    """2 honest peers + a reducer that lies to one of them and signs only the truth: the peer told the truth holds
+    no evidence against it (no strike, no ban), but its span was disputed, so it is not trusted in a pair."""
+    kinds = [SwarmAverager] * 2 + [UnsignedTwoFacedReducer]
+    with swarm([OneBitCodec() for _ in range(3)], averager_type=kinds, identities=True) as averagers:
+        honest, liar = averagers[:2], averagers[2]
+        play(averagers, grads_of_round(0, 3), [1000.0] * 3, group_size=3)
+        told_the_truth = min(honest, key=lambda averager: str(averager.peer_id))  # tests/attacks.py's choice
+        lied_to = max(honest, key=lambda averager: str(averager.peer_id))
+        assert peer(liar) not in told_the_truth.caught_peers()
+        assert peer(liar) in told_the_truth.caught_peers(disputed=True)
+        assert peer(liar) in lied_to.caught_peers()
+        assert not told_the_truth.banned_peers()
 
 
 @pytest.mark.slow

@@ -114,7 +114,7 @@ class ScriptedAverager:
     def banned_peers(self) -> dict[str, str]:
         return dict(self.banned)
 
-    def caught_peers(self) -> set[str]:
+    def caught_peers(self, disputed: bool = False) -> set[str]:
         return self.caught | set(self.banned)
 
     def shutdown(self) -> None:
