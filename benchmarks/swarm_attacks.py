@@ -176,6 +176,8 @@ def main() -> None:
                                  outer_lr=DEFAULT_OUTER_LR, outer_momentum=DEFAULT_OUTER_MOMENTUM, start_state=None)
     vars(args).update({k: v for k, v in vars(model_args).items() if k not in vars(args)})
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="swarm-attacks-"))
+    if out.is_dir() and any(out.iterdir()):  # a peer finds its checkpoint there and resumes instead of starting
+        parser.error(f"--out {out} is not empty: give a new folder")
     results: dict[str, list[dict]] = {}
     started = time.monotonic()
     for repeat in range(args.repeats):  # whole passes, so that a slow spell of the machine hits every row alike
