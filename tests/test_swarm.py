@@ -205,7 +205,7 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
         assert re.search(r"run 'agree' \(config \w+\): model \w+, 5 inner steps, codec topk", peer.output())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_file, capsys):
     """One swarm, in order: a founder prints how to join; a second peer joins; a late joiner downloads the
     state and continues; `peers --json` lists all three; a contradicting flag is refused; a peer killed
@@ -221,7 +221,9 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     b.wait_for(r"round \d+: averaged with 1 peer", timeout=120, count=2)
 
     c = spawn("c", *join_args("c", text_file, "--initial-peers", founder, "--run-id", "late", "--name", "c"))
-    downloaded = int(c.wait_for(r"downloaded the state of round (\d+)", timeout=60)[0].group(1))
+    # A third process starting (torch, p2pd, the DHT) beside two trainers and a parallel test worker on two cores
+    # logged nothing past its identity for over a minute in two CI runs.
+    downloaded = int(c.wait_for(r"downloaded the state of round (\d+)", timeout=150)[0].group(1))
     assert downloaded >= 2
     # The joiner's state is a round old by the time it averages (the others' round was in flight): it must
     # not stay an outer step behind, but within a few rounds (a re-download, if its base is found out of step)
