@@ -11,10 +11,9 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    expected shape, is not finite, carries a non-positive weight, or has a norm above `max_norm_ratio` times the
    reducer's own part (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`). What is left is not
    averaged but aggregated robustly (peers/robust.py: CenteredClip, token weights capped at the group's median,
-   contributions opposed to most others' or to the reducer's own in a pair, far from the group's or colluding
-   left out). Senders check the averages they get back against the parts they sent
-   (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose average could not come from an honest reducer
-   (-50x the average, or its opposite) fails as a whole.
+   contributions opposed to most others', far from the group's or colluding left out). Senders check the averages they get back against
+   the parts they sent (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose average could not come
+   from an honest reducer (-50x the average, or its opposite) fails as a whole.
 3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which
    differs per sender. Instead the reducer packs the mean once and sends the same bytes to everyone: the
    return trip is ~1 bit per value as well, and every peer of the group decodes the very same average.
@@ -998,7 +997,6 @@ class _RobustPartReducer(TensorPartReducer):
         self._contributions: dict[int, tuple[torch.Tensor, float]] = {}
         self._finishing = False
         self.flagged: dict[int, str] = {}  # sender index -> why (the first reason it was flagged for)
-        self.own_sender: Optional[int] = None  # our own sender index, when we send to our own span
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -1049,8 +1047,7 @@ class _RobustPartReducer(TensorPartReducer):
         senders = sorted(contributions)
         parts = torch.stack([contributions[i][0].reshape(-1).float() for i in senders])
         tokens = torch.tensor([contributions[i][1] for i in senders], dtype=torch.float64)
-        own = senders.index(self.own_sender) if self.own_sender in senders else None
-        result = robust_aggregate(parts, tokens, own)
+        result = robust_aggregate(parts, tokens)
         for k in result.opposed:
             self.flagged.setdefault(senders[k], "a part pointing against the group's")
         for k in result.far:
@@ -1100,8 +1097,6 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
         )
         hivemind_reducer.finished.set()  # never used: finished, so that it does not report missing parts
-        if self.peer_id in self.sender_peer_ids:
-            self.tensor_part_reducer.own_sender = self.sender_peer_ids.index(self.peer_id)
         self.banned = frozenset(banned) & set(self.ordered_peer_ids) - {self.peer_id}
         for peer_id in self.banned & set(self.sender_peer_ids):
             self.banned_senders.add(peer_id)

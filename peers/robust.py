@@ -18,8 +18,7 @@ The verdict flags contributions that no honest peer would send, for reputation (
   while a sign-flipped update of any length has about minus that. A flip too short to be "far" (2-3x an honest
   update) still moves the clipped result by up to half the clipping radius in a group of three, against the
   others, round after round; this is what catches it. Checked first: such a part also skews the result the
-  "far" test measures against. In a group of two neither part is a majority, but the reducer knows its own part
-  is honest: there the other part is opposed when it points against the reducer's (`own`).
+  "far" test measures against.
 - **far:** further from the result than `FAR_RATIO` times the median distance *and* than its own share of the
   result allows (a peer that trained on more tokens may have moved further). A late joiner a few steps into its
   round sends a small update: it lies near zero, within one result's length, and is never flagged.
@@ -115,9 +114,8 @@ def centered_clip(offsets: torch.Tensor, weights: torch.Tensor, start: torch.Ten
     return start + coefficients.to(offsets.dtype) @ offsets
 
 
-def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor, own: int | None = None) -> RobustResult:
-    """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`; `own` is
-    the row of the reducer's own contribution, if it has one.
+def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
+    """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`.
 
     Flagged contributions are left out of the result: first the opposed ones, then, among the rest, the far ones,
     then colluding ones.
@@ -128,7 +126,7 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor, own: int | None 
     def rows(kept: list[int]) -> torch.Tensor:  # indexing copies the part: only when some row is left out
         return parts if len(kept) == parts.shape[0] else parts[kept]
 
-    opposed = _opposed(gram, parts.shape[1], own)
+    opposed = _opposed(gram, parts.shape[1])
     kept = [i for i in range(parts.shape[0]) if i not in opposed]
     aggregate = _clipped_mean(rows(kept), tokens[kept])
     far = frozenset(kept[i] for i in _far(rows(kept), tokens[kept], aggregate))
@@ -165,17 +163,15 @@ def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> 
     return frozenset(i for i, d in enumerate(distances.tolist()) if d > FAR_RATIO * typical and d > float(reach[i]))
 
 
-def _opposed(gram: torch.Tensor, dimension: int, own: int | None) -> frozenset[int]:
+def _opposed(gram: torch.Tensor, dimension: int) -> frozenset[int]:
     n = gram.shape[0]
-    if n < 2 or (n == 2 and own is None):  # two contributions, neither ours: neither is the majority
+    if n < 3:  # with two contributions, neither is the majority
         return frozenset()
     norms = gram.diagonal().clamp(min=0).sqrt()
     cosines = gram / (norms.unsqueeze(0) * norms.unsqueeze(1)).clamp(min=torch.finfo(torch.float64).tiny)
     # Unrelated vectors of d values have cosines of about +-1/sqrt(d): a short span needs a wider margin.
     against = cosines < -max(OPPOSED_COS, 4 / dimension**0.5)
     against.fill_diagonal_(False)
-    if n == 2:  # a pair: ours is honest, so the other is the one that points against it
-        return frozenset({1 - own}) if bool(against[0, 1]) else frozenset()
     suspect = [i for i in range(n) if 2 * int(against[i].sum()) > n - 1]
     return frozenset(suspect) if 2 * len(suspect) < n else frozenset()  # a majority cannot be the odd ones out
 
