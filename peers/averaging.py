@@ -1048,8 +1048,6 @@ class _RobustPartReducer(TensorPartReducer):
         parts = torch.stack([contributions[i][0].reshape(-1).float() for i in senders])
         tokens = torch.tensor([contributions[i][1] for i in senders], dtype=torch.float64)
         result = robust_aggregate(parts, tokens)
-        for k in result.opposed:
-            self.flagged.setdefault(senders[k], "a part pointing against the group's")
         for k in result.far:
             self.flagged.setdefault(senders[k], "a part far from the group's")
         for k in result.colluding:

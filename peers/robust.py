@@ -11,14 +11,17 @@ defeats them with a shift of one standard deviation per coordinate, which stays 
 Claimed token counts weigh contributions, but none above the group's (high) median claim: one peer claiming 10^12
 tokens weighs as much as a typical peer, not more.
 
-The verdict flags contributions that no honest peer would send, for reputation (peers/reputation.py):
-- **opposed:** pointing against most of the others (cosine below `-OPPOSED_COS`), as long as such parts are a
-  minority of the group. Peers that train one model move their weights the same way: their updates of one span
-  have cosines of 0.27-0.98 with each other (3 peers of e64h4d2w128, 12 rounds of H=50: benchmarks/RESULTS.md),
-  while a sign-flipped update of any length has about minus that. A flip too short to be "far" (2-3x an honest
-  update) still moves the clipped result by up to half the clipping radius in a group of three, against the
-  others, round after round; this is what catches it. Checked first: such a part also skews the result the
-  "far" test measures against.
+The verdict flags contributions that no honest peer would send, for reputation (peers/reputation.py), and one
+kind it only leaves out:
+- **opposed** (left out, no strike): pointing against most of the others (cosine below `-OPPOSED_COS`), as long
+  as such parts are a minority of the group. Peers that train one model move their weights the same way: their
+  updates of one span have cosines of 0.27-0.98 with each other (3 peers of e64h4d2w128, 12 rounds of H=50:
+  benchmarks/RESULTS.md), while a sign-flipped update of any length has about minus that. A flip too short to
+  be "far" (2-3x an honest update) still moves the clipped result by up to half the clipping radius in a group
+  of three, against the others, round after round; leaving it out stops that. Checked first: such a part also
+  skews the result the "far" test measures against. It is no strike because honest `join` peers were seen
+  pointing against the others too, around a late joiner's first rounds (tests/test_swarm.py, a tiny model at
+  5 inner steps; the cause is not found): a long flip is "far" as well, and that is a strike.
 - **far:** further from the result than `FAR_RATIO` times the median distance *and* than its own share of the
   result allows (a peer that trained on more tokens may have moved further). A late joiner a few steps into its
   round sends a small update: it lies near zero, within one result's length, and is never flagged.
@@ -117,8 +120,8 @@ def centered_clip(offsets: torch.Tensor, weights: torch.Tensor, start: torch.Ten
 def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`.
 
-    Flagged contributions are left out of the result: first the opposed ones, then, among the rest, the far ones,
-    then colluding ones.
+    Flagged contributions are left out of the result: first the opposed ones, then the far ones (measured against
+    the rest: a part both opposed and far counts as far), then colluding ones.
     """
     tokens = tokens.to(torch.float64)
     gram = (parts @ parts.T).double()  # every pairwise test reads it: one pass over the parts
@@ -129,15 +132,15 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     opposed = _opposed(gram, parts.shape[1])
     kept = [i for i in range(parts.shape[0]) if i not in opposed]
     aggregate = _clipped_mean(rows(kept), tokens[kept])
-    far = frozenset(kept[i] for i in _far(rows(kept), tokens[kept], aggregate))
-    if far:
+    far = _far(parts, tokens, aggregate)  # the opposed parts too: a long flip is far as well
+    if far & set(kept):
         kept = [i for i in kept if i not in far]
         aggregate = _clipped_mean(rows(kept), tokens[kept])
     colluding = frozenset(kept[i] for i in _colluding(rows(kept), gram[kept][:, kept], aggregate))
     if colluding:
         kept = [i for i in kept if i not in colluding]
         aggregate = _clipped_mean(rows(kept), tokens[kept])
-    return RobustResult(aggregate, far, colluding, opposed)
+    return RobustResult(aggregate, far, colluding, opposed - far)
 
 
 def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
