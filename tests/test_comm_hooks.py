@@ -10,13 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tscale_p2p.comm_hooks import OneBitAllReduce, adam_denominators
+from tscale_p2p.comm_hooks import WORKER_CARRY, OneBitAllReduce, adam_denominators
 from tscale_p2p.kernels.onebit import error_feedback_pack, unpack
 
 BLOCK = 16
 SIZES = (1000, 37, 1000)  # "buckets": one spanning many blocks, one shorter than a block per rank, and ...
 PRECONDITIONED = 2  # ... one exchanged divided by per-value denominators (as AdamW's sqrt(v) + eps)
 STEPS = 40
+CARRIES = (1.0, WORKER_CARRY)  # exact error feedback, and the damped worker residual `train` uses
 
 
 def denominators(key: int, numel: int) -> torch.Tensor | None:
@@ -36,9 +37,9 @@ def gradient(step: int, rank: int, key: int) -> torch.Tensor:
 
 
 def reference(grads: list[torch.Tensor], workers: list[torch.Tensor], servers: list[torch.Tensor],
-              scale: torch.Tensor | None) -> torch.Tensor:
+              scale: torch.Tensor | None, carry: float = 1.0) -> torch.Tensor:
     """DeepSpeed's compressed all-reduce written out for all ranks in one process, of `grads / scale` and
-    multiplied back by `scale` when there is one; updates the residuals."""
+    multiplied back by `scale` when there is one, `carry` of each worker residual kept; updates the residuals."""
     world, numel = len(grads), grads[0].numel()
     chunk = -(-numel // (world * BLOCK)) * BLOCK
     decoded = []
@@ -47,6 +48,7 @@ def reference(grads: list[torch.Tensor], workers: list[torch.Tensor], servers: l
         padded[:numel] = g if scale is None else g / scale
         signs, scales = error_feedback_pack(padded, residual, BLOCK)
         residual[numel:] = 0
+        residual *= carry
         decoded.append(unpack(signs, scales, world * chunk, BLOCK).view(world, chunk))
     out = []
     for j in range(world):
@@ -67,14 +69,16 @@ def _rank(rank: int, port: int, folder) -> None:
     for world, group in ((3, None), (2, pair)):
         if rank >= world:
             continue
-        allreduce = OneBitAllReduce(group=group, block_size=BLOCK)
-        outputs = []
-        for step in range(STEPS):
-            outputs.append([
-                allreduce.reduce(key, gradient(step, rank, key), denominators(key, numel)).wait().clone()
-                for key, numel in enumerate(SIZES)
-            ])
-        torch.save((outputs, allreduce.wire.bytes_sent, allreduce.wire.values), folder / f"world{world}-rank{rank}.pt")
+        for carry in CARRIES:
+            allreduce = OneBitAllReduce(group=group, block_size=BLOCK, worker_carry=carry)
+            outputs = []
+            for step in range(STEPS):
+                outputs.append([
+                    allreduce.reduce(key, gradient(step, rank, key), denominators(key, numel)).wait().clone()
+                    for key, numel in enumerate(SIZES)
+                ])
+            result = (outputs, allreduce.wire.bytes_sent, allreduce.wire.values)
+            torch.save(result, folder / f"world{world}-carry{carry}-rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -95,7 +99,8 @@ def rank_results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_onebit_allreduce_equals_the_reference_on_every_rank_and_its_error_stays_bounded(world, rank_results):
-    results = {rank: torch.load(rank_results / f"world{world}-rank{rank}.pt") for rank in range(world)}
+    """With the full worker residual carried (exact error feedback)."""
+    results = {rank: torch.load(rank_results / f"world{world}-carry1.0-rank{rank}.pt") for rank in range(world)}
     for key, numel in enumerate(SIZES):
         chunk = -(-numel // (world * BLOCK)) * BLOCK
         workers = [torch.zeros(world * chunk) for _ in range(world)]
@@ -125,10 +130,34 @@ def test_onebit_allreduce_equals_the_reference_on_every_rank_and_its_error_stays
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
+def test_the_damped_worker_residual_is_the_references_and_keeps_the_applied_sum_near_the_true_one(world, rank_results):
+    """`train`'s hook carries half of each worker residual into the next step: every rank applies the reference of
+    that arithmetic, and the sum applied stays near the true sum (it lags it by what the halving dropped)."""
+    results = {rank: torch.load(rank_results / f"world{world}-carry{WORKER_CARRY}-rank{rank}.pt")
+               for rank in range(world)}
+    for key, numel in enumerate(SIZES):
+        chunk = -(-numel // (world * BLOCK)) * BLOCK
+        workers = [torch.zeros(world * chunk) for _ in range(world)]
+        servers = [torch.zeros(chunk) for _ in range(world)]
+        scale = denominators(key, numel)
+        applied, true_mean = torch.zeros(numel), torch.zeros(numel)
+        for step in range(STEPS):
+            grads = [gradient(step, r, key) for r in range(world)]
+            expected = reference(grads, workers, servers, scale, carry=WORKER_CARRY)
+            for rank in range(world):
+                torch.testing.assert_close(results[rank][0][step][key], expected, rtol=0, atol=0)
+            applied += expected
+            true_mean += torch.stack(grads).mean(dim=0)
+        assert (applied - true_mean).norm() < 0.5 * true_mean.norm()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
 def test_the_preconditioned_exchange_sends_small_values_at_their_own_scale_not_at_their_blocks(world, rank_results):
     """Values 1000x smaller than their block's others (AdamW's small-gradient coordinates) reach every rank at
     their own size: the block scale is taken over the values divided by their denominators."""
-    applied = torch.stack([step[PRECONDITIONED] for step in torch.load(rank_results / f"world{world}-rank0.pt")[0]])
+    applied = torch.stack([step[PRECONDITIONED]
+                           for step in torch.load(rank_results / f"world{world}-carry1.0-rank0.pt")[0]])
     small = applied[:, 1::2].abs()
     assert small.max() < 0.05 < applied[:, 0::2].abs().mean()
 
