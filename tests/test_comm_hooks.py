@@ -96,24 +96,32 @@ def rank_results(tmp_path_factory):
     return folder
 
 
+def replay(folder, world: int, key: int, carry: float):
+    """Check that every rank applied the reference's average of bucket `key` at every step; returns the sums
+    applied and of the true means, and the reference's residuals and denominators at the end."""
+    results = {rank: torch.load(folder / f"world{world}-carry{carry}-rank{rank}.pt") for rank in range(world)}
+    numel = SIZES[key]
+    chunk = -(-numel // (world * BLOCK)) * BLOCK
+    workers = [torch.zeros(world * chunk) for _ in range(world)]
+    servers = [torch.zeros(chunk) for _ in range(world)]
+    scale = denominators(key, numel)
+    applied, true_mean = torch.zeros(numel), torch.zeros(numel)
+    for step in range(STEPS):
+        grads = [gradient(step, r, key) for r in range(world)]
+        expected = reference(grads, workers, servers, scale, carry)
+        for rank in range(world):  # every rank applies the same, and it is the reference's
+            torch.testing.assert_close(results[rank][0][step][key], expected, rtol=0, atol=0)
+        applied += expected
+        true_mean += torch.stack(grads).mean(dim=0)
+    return applied, true_mean, workers, servers, scale
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_onebit_allreduce_equals_the_reference_on_every_rank_and_its_error_stays_bounded(world, rank_results):
     """With the full worker residual carried (exact error feedback)."""
-    results = {rank: torch.load(rank_results / f"world{world}-carry1.0-rank{rank}.pt") for rank in range(world)}
     for key, numel in enumerate(SIZES):
-        chunk = -(-numel // (world * BLOCK)) * BLOCK
-        workers = [torch.zeros(world * chunk) for _ in range(world)]
-        servers = [torch.zeros(chunk) for _ in range(world)]
-        scale = denominators(key, numel)
-        applied, true_mean = torch.zeros(numel), torch.zeros(numel)
-        for step in range(STEPS):
-            grads = [gradient(step, r, key) for r in range(world)]
-            expected = reference(grads, workers, servers, scale)
-            for rank in range(world):  # every rank applies the same, and it is the reference's
-                torch.testing.assert_close(results[rank][0][step][key], expected, rtol=0, atol=0)
-            applied += expected
-            true_mean += torch.stack(grads).mean(dim=0)
+        applied, true_mean, workers, servers, scale = replay(rank_results, world, key, carry=1.0)
         # Error feedback: what was applied lags the true sum by exactly what the residuals hold now (divided by
         # the denominators, which are constant here) ...
         held = torch.stack(workers).mean(dim=0)[:numel] + torch.cat(servers)[:numel]
@@ -122,7 +130,7 @@ def test_onebit_allreduce_equals_the_reference_on_every_rank_and_its_error_stays
         largest_step = max(gradient(step, r, key).norm() for step in range(STEPS) for r in range(world))
         assert (applied - true_mean).norm() < largest_step < 0.5 * true_mean.norm()
     # Wire: a chunk of signs + bf16 scales to each other rank, twice (all-to-all, then all-gather).
-    bytes_sent, values = results[0][1], results[0][2]
+    _, bytes_sent, values = torch.load(rank_results / f"world{world}-carry1.0-rank0.pt")
     assert values == STEPS * sum(SIZES)
     per_step = sum(2 * (world - 1) * (c // 8 + 2 * c // BLOCK) for c in (-(-n // (world * BLOCK)) * BLOCK for n in SIZES))
     assert bytes_sent == STEPS * per_step
@@ -133,21 +141,8 @@ def test_onebit_allreduce_equals_the_reference_on_every_rank_and_its_error_stays
 def test_the_damped_worker_residual_is_the_references_and_keeps_the_applied_sum_near_the_true_one(world, rank_results):
     """`train`'s hook carries half of each worker residual into the next step: every rank applies the reference of
     that arithmetic, and the sum applied stays near the true sum (it lags it by what the halving dropped)."""
-    results = {rank: torch.load(rank_results / f"world{world}-carry{WORKER_CARRY}-rank{rank}.pt")
-               for rank in range(world)}
-    for key, numel in enumerate(SIZES):
-        chunk = -(-numel // (world * BLOCK)) * BLOCK
-        workers = [torch.zeros(world * chunk) for _ in range(world)]
-        servers = [torch.zeros(chunk) for _ in range(world)]
-        scale = denominators(key, numel)
-        applied, true_mean = torch.zeros(numel), torch.zeros(numel)
-        for step in range(STEPS):
-            grads = [gradient(step, r, key) for r in range(world)]
-            expected = reference(grads, workers, servers, scale, carry=WORKER_CARRY)
-            for rank in range(world):
-                torch.testing.assert_close(results[rank][0][step][key], expected, rtol=0, atol=0)
-            applied += expected
-            true_mean += torch.stack(grads).mean(dim=0)
+    for key in range(len(SIZES)):
+        applied, true_mean, *_ = replay(rank_results, world, key, carry=WORKER_CARRY)
         assert (applied - true_mean).norm() < 0.5 * true_mean.norm()
 
 
