@@ -23,7 +23,7 @@ kind it only leaves out:
   pointing against the others too, around a late joiner's first rounds (tests/test_swarm.py, a tiny model at
   5 inner steps; the cause is not found): a long flip is "far" as well, and that is a strike.
 - **far:** further from the result than `FAR_RATIO` times the median distance *and* than its own share of the
-  result allows (a peer that trained on more tokens may have moved further). A late joiner a few steps into its
+  result allows (a peer that trained on more tokens may have moved further along the result, not against it). A late joiner a few steps into its
   round sends a small update: it lies near zero, within one result's length, and is never flagged.
 - **colluding:** two contributions much closer to each other than peers that train independently ever are
   (independent updates in high dimension are all about equally far apart; a pair that shifts the result
@@ -162,6 +162,9 @@ def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> 
     typical = float(distances.median())
     median_tokens = float(capped_weights(tokens).max())
     allowance = (tokens / max(median_tokens, 1e-30)).clamp(1.0, FAR_TOKEN_ALLOWANCE)
+    # More tokens carry a part further along the result, not against it: a part pointing away from the result
+    # gets no allowance, whatever it claims (a -10x flip claiming 10^12 tokens stayed within 5 results' reach).
+    allowance[(parts @ aggregate).double() < 0] = 0.0
     reach = (1.0 + allowance) * float(aggregate.norm())
     return frozenset(i for i, d in enumerate(distances.tolist()) if d > FAR_RATIO * typical and d > float(reach[i]))
 

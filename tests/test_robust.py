@@ -80,9 +80,10 @@ def test_clean_contributions_average_to_their_weighted_mean():
 @pytest.mark.parametrize("attack, verdict", [
     (lambda g: 90 * g, "far"),
     (lambda g: -10 * g, "far"),  # opposed too, and far: a strike
-    (lambda g: -3 * g, "opposed"),  # too short to be far: alone it moved a group of three's result by its length
+    (lambda g: -3 * g, "far"),  # once more than a result's length against it: far, whatever it claims
+    (lambda g: -2 * g, "far"),
     (lambda g: -0.5 * g, "opposed"),
-], ids=["scaled_x90", "sign_flip_x10", "sign_flip_x3", "sign_flip_x0.5"])
+], ids=["scaled_x90", "sign_flip_x10", "sign_flip_x3", "sign_flip_x2", "sign_flip_x0.5"])
 def test_an_attacking_contribution_is_flagged_and_left_out_whatever_weight_it_claims(attack, verdict):
     """Far parts earn a strike; opposed ones that are not far are left out without one (peers/robust.py)."""
     *honest, own = honest_updates(4, seed=1)
