@@ -23,8 +23,9 @@ kind it only leaves out:
   pointing against the others too, around a late joiner's first rounds (tests/test_swarm.py, a tiny model at
   5 inner steps; the cause is not found): a long flip is "far" as well, and that is a strike.
 - **far:** further from the result than `FAR_RATIO` times the median distance *and* than its own share of the
-  result allows (a peer that trained on more tokens may have moved further along the result, not against it). A late joiner a few steps into its
-  round sends a small update: it lies near zero, within one result's length, and is never flagged.
+  result allows (a peer that trained on more tokens may have moved further along the result, not against it). A
+  late joiner a few steps into its round sends a small update: it lies near zero, within one result's length, and
+  is never flagged.
 - **colluding:** two contributions much closer to each other than peers that train independently ever are
   (independent updates in high dimension are all about equally far apart; a pair that shifts the result
   together, as "A Little Is Enough" does, sends one vector, or two near it), as long as they are a minority of
