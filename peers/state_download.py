@@ -150,6 +150,11 @@ class _Refused(Exception):
     """A donor's stream declared something a downloader must not buffer."""
 
 
+class _NoState(Exception):
+    """A donor's stream ended before any state: it no longer shares one (hivemind's handler sends nothing then,
+    and a peer that left answers so while its daemon lives), which counts as not answering."""
+
+
 async def download_checked_state(averager, check: StateCheck) -> tuple[dict, list[torch.Tensor]] | None:
     """Download the state most peers of the run offer, from one of them, checked (see the module's docstring);
     None if no peer sends an acceptable one. Runs in the averager's process: `averager` is a SwarmAverager
@@ -186,7 +191,7 @@ async def _download_base(
         except _Refused as refused:
             log.warning("refusing the state of peer %s: %s; trying another peer", peer, refused)
             continue
-        except Exception as error:  # unreachable, slow, or gone: the next one
+        except Exception as error:  # unreachable, slow, gone, or no longer sharing: the next one
             log.info("could not download the state of peer %s: %r", peer, error)
             gone.add(peer)
             continue
@@ -252,5 +257,5 @@ async def _download_from(averager, peer: str, check: StateCheck, timeout: float 
             except Exception as error:  # the stream is broken already
                 log.debug("closing the state stream of %s: %r", peer, error)
     if metadata is None:
-        raise _Refused("it sent no state")
+        raise _NoState("it sent no state")
     return metadata, tensors
