@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tscale_p2p.comm_hooks import WORKER_CARRY, OneBitAllReduce, adam_denominators
+from tscale_p2p.comm_hooks import SERVER_CARRY, WORKER_CARRY, OneBitAllReduce, adam_denominators
 from tscale_p2p.kernels.onebit import error_feedback_pack, unpack
 
 BLOCK = 16
 SIZES = (1000, 37, 1000)  # "buckets": one spanning many blocks, one shorter than a block per rank, and ...
 PRECONDITIONED = 2  # ... one exchanged divided by per-value denominators (as AdamW's sqrt(v) + eps)
 STEPS = 40
-CARRIES = (1.0, WORKER_CARRY)  # exact error feedback, and the damped worker residual `train` uses
+EXACT, DAMPED = (1.0, 1.0), (WORKER_CARRY, SERVER_CARRY)  # (worker, server) carries: exact error feedback, `train`'s
 
 
 def denominators(key: int, numel: int) -> torch.Tensor | None:
@@ -37,9 +37,10 @@ def gradient(step: int, rank: int, key: int) -> torch.Tensor:
 
 
 def reference(grads: list[torch.Tensor], workers: list[torch.Tensor], servers: list[torch.Tensor],
-              scale: torch.Tensor | None, carry: float = 1.0) -> torch.Tensor:
+              scale: torch.Tensor | None, carry: tuple[float, float] = EXACT) -> torch.Tensor:
     """DeepSpeed's compressed all-reduce written out for all ranks in one process, of `grads / scale` and
-    multiplied back by `scale` when there is one, `carry` of each worker residual kept; updates the residuals."""
+    multiplied back by `scale` when there is one, `carry` (worker, server) of each residual kept; updates the
+    residuals."""
     world, numel = len(grads), grads[0].numel()
     chunk = -(-numel // (world * BLOCK)) * BLOCK
     decoded = []
@@ -48,7 +49,7 @@ def reference(grads: list[torch.Tensor], workers: list[torch.Tensor], servers: l
         padded[:numel] = g if scale is None else g / scale
         signs, scales = error_feedback_pack(padded, residual, BLOCK)
         residual[numel:] = 0
-        residual *= carry
+        residual *= carry[0]
         decoded.append(unpack(signs, scales, world * chunk, BLOCK).view(world, chunk))
     out = []
     for j in range(world):
@@ -57,6 +58,7 @@ def reference(grads: list[torch.Tensor], workers: list[torch.Tensor], servers: l
         mean[valid:] = 0
         signs, scales = error_feedback_pack(mean, servers[j], BLOCK)
         servers[j][valid:] = 0
+        servers[j] *= carry[1]
         out.append(unpack(signs, scales, chunk, BLOCK))
     mean = torch.cat(out)[:numel]
     return mean if scale is None else mean * scale
@@ -69,8 +71,8 @@ def _rank(rank: int, port: int, folder) -> None:
     for world, group in ((3, None), (2, pair)):
         if rank >= world:
             continue
-        for carry in CARRIES:
-            allreduce = OneBitAllReduce(group=group, block_size=BLOCK, worker_carry=carry)
+        for carry in (EXACT, DAMPED):
+            allreduce = OneBitAllReduce(group=group, block_size=BLOCK, worker_carry=carry[0], server_carry=carry[1])
             outputs = []
             for step in range(STEPS):
                 outputs.append([
@@ -78,7 +80,7 @@ def _rank(rank: int, port: int, folder) -> None:
                     for key, numel in enumerate(SIZES)
                 ])
             result = (outputs, allreduce.wire.bytes_sent, allreduce.wire.values)
-            torch.save(result, folder / f"world{world}-carry{carry}-rank{rank}.pt")
+            torch.save(result, folder / result_file(world, carry, rank))
     dist.destroy_process_group()
 
 
@@ -96,10 +98,15 @@ def rank_results(tmp_path_factory):
     return folder
 
 
-def replay(folder, world: int, key: int, carry: float):
-    """Check that every rank applied the reference's average of bucket `key` at every step; returns the sums
-    applied and of the true means, and the reference's residuals and denominators at the end."""
-    results = {rank: torch.load(folder / f"world{world}-carry{carry}-rank{rank}.pt") for rank in range(world)}
+def result_file(world: int, carry: tuple[float, float], rank: int) -> str:
+    return f"world{world}-carry{carry[0]}-{carry[1]}-rank{rank}.pt"
+
+
+def replay(folder, world: int, key: int, carry: tuple[float, float]):
+    """Check that every rank applied the reference's average of bucket `key` at every step (with no `folder`,
+    only run the reference); returns the sums applied and of the true means, and the reference's residuals and
+    denominators at the end."""
+    results = {} if folder is None else {r: torch.load(folder / result_file(world, carry, r)) for r in range(world)}
     numel = SIZES[key]
     chunk = -(-numel // (world * BLOCK)) * BLOCK
     workers = [torch.zeros(world * chunk) for _ in range(world)]
@@ -109,7 +116,7 @@ def replay(folder, world: int, key: int, carry: float):
     for step in range(STEPS):
         grads = [gradient(step, r, key) for r in range(world)]
         expected = reference(grads, workers, servers, scale, carry)
-        for rank in range(world):  # every rank applies the same, and it is the reference's
+        for rank in results:  # every rank applies the same, and it is the reference's
             torch.testing.assert_close(results[rank][0][step][key], expected, rtol=0, atol=0)
         applied += expected
         true_mean += torch.stack(grads).mean(dim=0)
@@ -121,7 +128,7 @@ def replay(folder, world: int, key: int, carry: float):
 def test_onebit_allreduce_equals_the_reference_on_every_rank_and_its_error_stays_bounded(world, rank_results):
     """With the full worker residual carried (exact error feedback)."""
     for key, numel in enumerate(SIZES):
-        applied, true_mean, workers, servers, scale = replay(rank_results, world, key, carry=1.0)
+        applied, true_mean, workers, servers, scale = replay(rank_results, world, key, carry=EXACT)
         # Error feedback: what was applied lags the true sum by exactly what the residuals hold now (divided by
         # the denominators, which are constant here) ...
         held = torch.stack(workers).mean(dim=0)[:numel] + torch.cat(servers)[:numel]
@@ -130,20 +137,23 @@ def test_onebit_allreduce_equals_the_reference_on_every_rank_and_its_error_stays
         largest_step = max(gradient(step, r, key).norm() for step in range(STEPS) for r in range(world))
         assert (applied - true_mean).norm() < largest_step < 0.5 * true_mean.norm()
     # Wire: a chunk of signs + bf16 scales to each other rank, twice (all-to-all, then all-gather).
-    _, bytes_sent, values = torch.load(rank_results / f"world{world}-carry1.0-rank0.pt")
+    _, bytes_sent, values = torch.load(rank_results / result_file(world, EXACT, 0))
     assert values == STEPS * sum(SIZES)
-    per_step = sum(2 * (world - 1) * (c // 8 + 2 * c // BLOCK) for c in (-(-n // (world * BLOCK)) * BLOCK for n in SIZES))
+    chunks = [-(-n // (world * BLOCK)) * BLOCK for n in SIZES]
+    per_step = sum(2 * (world - 1) * (c // 8 + 2 * c // BLOCK) for c in chunks)
     assert bytes_sent == STEPS * per_step
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_damped_worker_residual_is_the_references_and_keeps_the_applied_sum_near_the_true_one(world, rank_results):
-    """`train`'s hook carries half of each worker residual into the next step: every rank applies the reference of
-    that arithmetic, and the sum applied stays near the true sum (it lags it by what the halving dropped)."""
+def test_the_damped_residuals_are_the_references_and_keep_the_applied_sum_near_the_true_one(world, rank_results):
+    """`train`'s hook carries half of each worker and reducer residual into the next step: every rank applies the
+    reference of that arithmetic, and the sum applied stays nearer the true sum than with no error feedback (it
+    lags it by what the halving dropped)."""
     for key in range(len(SIZES)):
-        applied, true_mean, *_ = replay(rank_results, world, key, carry=WORKER_CARRY)
-        assert (applied - true_mean).norm() < 0.5 * true_mean.norm()
+        applied, true_mean, *_ = replay(rank_results, world, key, carry=DAMPED)
+        unfed, *_ = replay(None, world, key, carry=(0.0, 0.0))
+        assert (applied - true_mean).norm() < 0.9 * (unfed - true_mean).norm()
 
 
 @pytest.mark.slow
@@ -152,7 +162,7 @@ def test_the_preconditioned_exchange_sends_small_values_at_their_own_scale_not_a
     """Values 1000x smaller than their block's others (AdamW's small-gradient coordinates) reach every rank at
     their own size: the block scale is taken over the values divided by their denominators."""
     applied = torch.stack([step[PRECONDITIONED]
-                           for step in torch.load(rank_results / f"world{world}-carry1.0-rank0.pt")[0]])
+                           for step in torch.load(rank_results / result_file(world, EXACT, 0))[0]])
     small = applied[:, 1::2].abs()
     assert small.max() < 0.05 < applied[:, 0::2].abs().mean()
 
