@@ -1052,6 +1052,8 @@ class _RobustPartReducer(TensorPartReducer):
             self.flagged.setdefault(senders[k], "a part far from the group's")
         for k in result.colluding:
             self.flagged.setdefault(senders[k], "a part nearly the same as another sender's")
+        for k in result.flipped:
+            self.flagged.setdefault(senders[k], "a part pointing against the others' agreeing ones")
         return result.aggregate.reshape(shape)
 
 

@@ -13,15 +13,18 @@ tokens weighs as much as a typical peer, not more.
 
 The verdict flags contributions that no honest peer would send, for reputation (peers/reputation.py), and one
 kind it only leaves out:
-- **opposed** (left out, no strike): pointing against most of the others (cosine below `-OPPOSED_COS`), as long
-  as such parts are a minority of the group. Peers that train one model move their weights the same way: their
-  updates of one span have cosines of 0.27-0.98 with each other (3 peers of e64h4d2w128, 12 rounds of H=50:
+- **opposed** (left out): pointing against most of the others (cosine below `-OPPOSED_COS`), as long as such
+  parts are a minority of the group. Peers that train one model move their weights the same way: their updates
+  of one span have cosines of 0.27-0.98 with each other (3 peers of e64h4d2w128, 12 rounds of H=50:
   benchmarks/RESULTS.md), while a sign-flipped update of any length has about minus that. A flip too short to
   be "far" (2-3x an honest update) still moves the clipped result by up to half the clipping radius in a group
   of three, against the others, round after round; leaving it out stops that. Checked first: such a part also
-  skews the result the "far" test measures against. It is no strike because honest `join` peers were seen
-  pointing against the others too, around a late joiner's first rounds (tests/test_swarm.py, a tiny model at
-  5 inner steps; the cause is not found): a long flip is "far" as well, and that is a strike.
+  skews the result the "far" test measures against.
+  It earns a strike only where the others clearly agree (their median cosine at least `FLIP_AGREEMENT`) and it
+  points against them by at least half that (**flipped**). Where a model has little left to learn from a round,
+  honest updates are mostly noise and point every way: a tiny model at 5 inner steps (tests/test_swarm.py) had
+  honest spans of 8192 values at cosines of -0.15 to +0.25 with each other, so an honest part pointing against
+  two others happens there, and two such strikes banned honest peers. Such a part is only left out.
 - **far:** further from the result than `FAR_RATIO` times the median distance *and* than its own share of the
   result allows (a peer that trained on more tokens may have moved further along the result, not against it). A
   late joiner a few steps into its round sends a small update: it lies near zero, within one result's length, and
@@ -45,6 +48,7 @@ CLIP_ITERATIONS = 20  # CenteredClip converges geometrically; 20 steps leave it 
 FAR_RATIO = 3.0  # "far": beyond this times the median distance to the result (honest distances concentrate)
 FAR_TOKEN_ALLOWANCE = 4.0  # a peer with k times the median tokens may lie up to (1 + k) results away, k <= this
 OPPOSED_COS = 0.05  # "opposed": a cosine below minus this (honest peers measure +0.27 and more); see _opposed
+FLIP_AGREEMENT = 0.3  # "flipped": opposed to others whose median cosine is at least this (noise: -0.15 to +0.25)
 COLLUSION_DISTANCE = 0.25  # "colluding": two contributions closer than this times the median pairwise distance
 SMALL_SHARE = 0.5  # a contribution shorter than this times the result is never taken for a colluder
 
@@ -56,11 +60,12 @@ class RobustResult:
     aggregate: torch.Tensor
     far: frozenset[int]
     colluding: frozenset[int]
-    opposed: frozenset[int] = frozenset()
+    opposed: frozenset[int] = frozenset()  # left out, no strike
+    flipped: frozenset[int] = frozenset()  # opposed to others that clearly agree: a strike
 
     @property
     def flagged(self) -> frozenset[int]:
-        return self.far | self.colluding | self.opposed
+        return self.far | self.colluding | self.opposed | self.flipped
 
 
 def high_median(values: torch.Tensor) -> float:
@@ -130,7 +135,7 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     def rows(kept: list[int]) -> torch.Tensor:  # indexing copies the part: only when some row is left out
         return parts if len(kept) == parts.shape[0] else parts[kept]
 
-    opposed = _opposed(gram, parts.shape[1])
+    opposed, flipped = _opposed(gram, parts.shape[1])
     kept = [i for i in range(parts.shape[0]) if i not in opposed]
     aggregate = _clipped_mean(rows(kept), tokens[kept])
     far = _far(parts, tokens, aggregate)  # the opposed parts too: a long flip is far as well
@@ -141,7 +146,7 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     if colluding:
         kept = [i for i in kept if i not in colluding]
         aggregate = _clipped_mean(rows(kept), tokens[kept])
-    return RobustResult(aggregate, far, colluding, opposed - far)
+    return RobustResult(aggregate, far, colluding, opposed - far - flipped, flipped - far)
 
 
 def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -170,17 +175,28 @@ def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> 
     return frozenset(i for i, d in enumerate(distances.tolist()) if d > FAR_RATIO * typical and d > float(reach[i]))
 
 
-def _opposed(gram: torch.Tensor, dimension: int) -> frozenset[int]:
+def _opposed(gram: torch.Tensor, dimension: int) -> tuple[frozenset[int], frozenset[int]]:
+    """(opposed, flipped): the parts pointing against most of the others, and those of them that point clearly
+    against others that clearly agree (see the module's docstring)."""
     n = gram.shape[0]
     if n < 3:  # with two contributions, neither is the majority
-        return frozenset()
+        return frozenset(), frozenset()
     norms = gram.diagonal().clamp(min=0).sqrt()
     cosines = gram / (norms.unsqueeze(0) * norms.unsqueeze(1)).clamp(min=torch.finfo(torch.float64).tiny)
     # Unrelated vectors of d values have cosines of about +-1/sqrt(d): a short span needs a wider margin.
-    against = cosines < -max(OPPOSED_COS, 4 / dimension**0.5)
+    margin = max(OPPOSED_COS, 4 / dimension**0.5)
+    against = cosines < -margin
     against.fill_diagonal_(False)
     suspect = [i for i in range(n) if 2 * int(against[i].sum()) > n - 1]
-    return frozenset(suspect) if 2 * len(suspect) < n else frozenset()  # a majority cannot be the odd ones out
+    if 2 * len(suspect) >= n:  # a majority cannot be the odd ones out
+        return frozenset(), frozenset()
+    others = [i for i in range(n) if i not in suspect]
+    pairs = torch.triu_indices(len(others), len(others), offset=1)
+    agreement = float(cosines[others][:, others][pairs[0], pairs[1]].median())  # the lower middle, for an even count
+    if agreement < max(FLIP_AGREEMENT, 2 * margin):
+        return frozenset(suspect), frozenset()
+    flipped = [i for i in suspect if 2 * int((cosines[i, others] < -agreement / 2).sum()) > len(others)]
+    return frozenset(suspect), frozenset(flipped)
 
 
 def _colluding(parts: torch.Tensor, gram: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:

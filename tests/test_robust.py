@@ -82,10 +82,10 @@ def test_clean_contributions_average_to_their_weighted_mean():
     (lambda g: -10 * g, "far"),  # opposed too, and far: a strike
     (lambda g: -3 * g, "far"),  # once more than a result's length against it: far, whatever it claims
     (lambda g: -2 * g, "far"),
-    (lambda g: -0.5 * g, "opposed"),
+    (lambda g: -0.5 * g, "flipped"),  # short, but against peers that agree (cosines ~0.33): a strike too
 ], ids=["scaled_x90", "sign_flip_x10", "sign_flip_x3", "sign_flip_x2", "sign_flip_x0.5"])
 def test_an_attacking_contribution_is_flagged_and_left_out_whatever_weight_it_claims(attack, verdict):
-    """Far parts earn a strike; opposed ones that are not far are left out without one (peers/robust.py)."""
+    """Far and flipped parts earn a strike (peers/robust.py)."""
     *honest, own = honest_updates(4, seed=1)
     for group in (honest, honest[:2]):  # 3 honest + 1, and 2 + 1
         parts = torch.stack([*group, attack(own)])
@@ -106,11 +106,22 @@ def test_peers_whose_updates_barely_agree_are_not_taken_for_opposed():
         assert not robust_aggregate(torch.stack(parts[:n]), torch.full((n,), 1000.0)).flagged
 
 
+def test_an_honest_part_against_others_that_barely_agree_is_left_out_without_a_strike():
+    """Where honest updates are mostly noise (a tiny model at a few inner steps measured cosines of -0.15 to
+    +0.25), one of them pointing against the two others is left out, but earns no strike: two would ban it."""
+    generator = torch.Generator().manual_seed(11)
+    common = torch.randn(D, generator=generator)
+    parts = [onebit(weight * common + torch.randn(D, generator=generator)) for weight in (0.5, 0.5, -0.4)]
+    result = robust_aggregate(torch.stack(parts), torch.full((3,), 1000.0))  # cosines +0.14, and -0.10 with both
+    assert result.opposed == {2} and not result.flipped and not result.far
+    assert relative(result.aggregate, torch.stack(parts[:2]).mean(dim=0)) < 1e-5
+
+
 def test_a_majority_pointing_against_the_rest_flags_nobody_as_opposed():
     """Two honest peers and two flippers (each its own update): from inside, either pair opposes the other."""
     *honest, own_a, own_b = honest_updates(4, seed=8)
     result = robust_aggregate(torch.stack([*honest, -3 * own_a, -3 * own_b]), torch.full((4,), 1000.0))
-    assert not result.opposed
+    assert not result.opposed and not result.flipped
 
 
 def test_a_little_is_enough_pair_is_flagged_as_colluding_and_left_out():
