@@ -11,24 +11,26 @@ defeats them with a shift of one standard deviation per coordinate, which stays 
 Claimed token counts weigh contributions, but none above the group's (high) median claim: one peer claiming 10^12
 tokens weighs as much as a typical peer, not more.
 
-The verdict flags contributions that no honest peer would send, for reputation (peers/reputation.py), and one
-kind it only leaves out:
+The verdict flags contributions that no honest peer would send, for reputation (peers/reputation.py: two
+strikes ban), and leaves out some more that an honest peer may send now and then:
 - **opposed** (left out): pointing against most of the others (cosine below `-OPPOSED_COS`), as long as such
   parts are a minority of the group. Peers that train one model move their weights the same way: their updates
   of one span have cosines of 0.27-0.98 with each other (3 peers of e64h4d2w128, 12 rounds of H=50:
   benchmarks/RESULTS.md), while a sign-flipped update of any length has about minus that. A flip too short to
-  be "far" (2-3x an honest update) still moves the clipped result by up to half the clipping radius in a group
+  be far (2-3x an honest update) still moves the clipped result by up to half the clipping radius in a group
   of three, against the others, round after round; leaving it out stops that. Checked first: such a part also
-  skews the result the "far" test measures against.
-  It earns a strike only where the others clearly agree (their median cosine at least `FLIP_AGREEMENT`) and it
-  points against them by at least half that (**flipped**). Where a model has little left to learn from a round,
-  honest updates are mostly noise and point every way: a tiny model at 5 inner steps (tests/test_swarm.py) had
-  honest spans of 8192 values at cosines of -0.15 to +0.25 with each other, so an honest part pointing against
-  two others happens there, and two such strikes banned honest peers. Such a part is only left out.
-- **far:** further from the result than `FAR_RATIO` times the median distance *and* than its own share of the
-  result allows (a peer that trained on more tokens may have moved further along the result, not against it). A
-  late joiner a few steps into its round sends a small update: it lies near zero, within one result's length, and
-  is never flagged.
+  skews the result the far test measures against.
+- **flipped** (a strike): opposed to others that clearly agree (their median cosine at least `FLIP_AGREEMENT`),
+  by at least `FLIP_SHARE` of their agreement. Where a model has little left to learn from a round, honest
+  updates are mostly noise: in a tiny model at 5 inner steps (tests/test_swarm.py's late joiner) honest spans
+  of 8192 values had cosines of -0.24 to +0.43 with each other, so an honest part pointing against two others
+  happens there. It is only opposed: as strikes, such parts banned honest peers.
+- **astray** (left out): further from the result than `FAR_RATIO` times the median distance *and* than its own
+  share of the result allows (a peer that trained on more tokens may have moved further). A late joiner a few
+  steps into its round sends a small update: it lies near zero, within one result's length, and is never
+  flagged. **far** (a strike): as astray, but beyond `FAR_STRIKE_RATIO` times the median distance. Honest parts
+  were seen 3.2-5.3x the median distance away in that tiny swarm (a fresh inner optimizer after a download
+  takes longer steps); a 90x or -10x update is 10x and more.
 - **colluding:** two contributions much closer to each other than peers that train independently ever are
   (independent updates in high dimension are all about equally far apart; a pair that shifts the result
   together, as "A Little Is Enough" does, sends one vector, or two near it), as long as they are a minority of
@@ -45,10 +47,12 @@ import torch
 TAU_FACTOR = 2.0  # clipping radius: this times the median distance of the contributions to their median
 MEDIAN_BLOCK_VALUES = 1 << 18  # coordinate_median sorts blocks of this many values (1 MiB), in cache
 CLIP_ITERATIONS = 20  # CenteredClip converges geometrically; 20 steps leave it moving by < 1e-4 of tau here
-FAR_RATIO = 3.0  # "far": beyond this times the median distance to the result (honest distances concentrate)
+FAR_RATIO = 3.0  # "astray": beyond this times the median distance to the result (honest distances concentrate)
+FAR_STRIKE_RATIO = 8.0  # "far", a strike: beyond this times it (honest parts: up to 5.3x measured)
 FAR_TOKEN_ALLOWANCE = 4.0  # a peer with k times the median tokens may lie up to (1 + k) results away, k <= this
 OPPOSED_COS = 0.05  # "opposed": a cosine below minus this (honest peers measure +0.27 and more); see _opposed
-FLIP_AGREEMENT = 0.3  # "flipped": opposed to others whose median cosine is at least this (noise: -0.15 to +0.25)
+FLIP_AGREEMENT = 0.3  # "flipped": opposed to others whose median cosine is at least this ...
+FLIP_SHARE = 0.75  # ... by a cosine below minus this share of it (a sign flip: about minus all of it)
 COLLUSION_DISTANCE = 0.25  # "colluding": two contributions closer than this times the median pairwise distance
 SMALL_SHARE = 0.5  # a contribution shorter than this times the result is never taken for a colluder
 
@@ -58,14 +62,16 @@ class RobustResult:
     """The aggregate of one span and what it says about each contributor (indices into the inputs)."""
 
     aggregate: torch.Tensor
-    far: frozenset[int]
-    colluding: frozenset[int]
-    opposed: frozenset[int] = frozenset()  # left out, no strike
-    flipped: frozenset[int] = frozenset()  # opposed to others that clearly agree: a strike
+    far: frozenset[int]  # a strike
+    colluding: frozenset[int]  # a strike
+    opposed: frozenset[int] = frozenset()
+    flipped: frozenset[int] = frozenset()  # a strike
+    astray: frozenset[int] = frozenset()
 
     @property
     def flagged(self) -> frozenset[int]:
-        return self.far | self.colluding | self.opposed | self.flipped
+        """Every part left out of the aggregate."""
+        return self.far | self.colluding | self.opposed | self.flipped | self.astray
 
 
 def high_median(values: torch.Tensor) -> float:
@@ -126,8 +132,8 @@ def centered_clip(offsets: torch.Tensor, weights: torch.Tensor, start: torch.Ten
 def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`.
 
-    Flagged contributions are left out of the result: first the opposed ones, then the far ones (measured against
-    the rest: a part both opposed and far counts as far), then colluding ones.
+    Flagged contributions are left out of the result: first the opposed ones, then the astray ones (measured
+    against the rest), then colluding ones. A part with two verdicts gets the one with a strike.
     """
     tokens = tokens.to(torch.float64)
     gram = (parts @ parts.T).double()  # every pairwise test reads it: one pass over the parts
@@ -138,15 +144,15 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     opposed, flipped = _opposed(gram, parts.shape[1])
     kept = [i for i in range(parts.shape[0]) if i not in opposed]
     aggregate = _clipped_mean(rows(kept), tokens[kept])
-    far = _far(parts, tokens, aggregate)  # the opposed parts too: a long flip is far as well
-    if far & set(kept):
-        kept = [i for i in kept if i not in far]
+    astray, far = _far(parts, tokens, aggregate)  # the opposed parts too: a long flip is far as well
+    if astray & set(kept):
+        kept = [i for i in kept if i not in astray]
         aggregate = _clipped_mean(rows(kept), tokens[kept])
     colluding = frozenset(kept[i] for i in _colluding(rows(kept), gram[kept][:, kept], aggregate))
     if colluding:
         kept = [i for i in kept if i not in colluding]
         aggregate = _clipped_mean(rows(kept), tokens[kept])
-    return RobustResult(aggregate, far, colluding, opposed - far - flipped, flipped - far)
+    return RobustResult(aggregate, far, colluding, opposed - flipped - astray, flipped - far, astray - far - flipped)
 
 
 def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -161,18 +167,19 @@ def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return start if tau == 0 else centered_clip(offsets, weights, start, tau)
 
 
-def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:
+def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> tuple[frozenset[int], frozenset[int]]:
+    """(astray, far): the parts beyond FAR_RATIO, and beyond FAR_STRIKE_RATIO, times the median distance to
+    `aggregate`, and beyond the reach their claimed tokens allow (see the module's docstring)."""
     if parts.shape[0] < 3:  # with two contributions, neither is the majority
-        return frozenset()
+        return frozenset(), frozenset()
     distances = (parts - aggregate).norm(dim=1)
     typical = float(distances.median())
     median_tokens = float(capped_weights(tokens).max())
     allowance = (tokens / max(median_tokens, 1e-30)).clamp(1.0, FAR_TOKEN_ALLOWANCE)
-    # More tokens carry a part further along the result, not against it: a part pointing away from the result
-    # gets no allowance, whatever it claims (a -10x flip claiming 10^12 tokens stayed within 5 results' reach).
-    allowance[(parts @ aggregate).double() < 0] = 0.0
     reach = (1.0 + allowance) * float(aggregate.norm())
-    return frozenset(i for i, d in enumerate(distances.tolist()) if d > FAR_RATIO * typical and d > float(reach[i]))
+    beyond = [i for i, d in enumerate(distances.tolist()) if d > float(reach[i])]
+    return (frozenset(i for i in beyond if distances[i] > FAR_RATIO * typical),
+            frozenset(i for i in beyond if distances[i] > FAR_STRIKE_RATIO * typical))
 
 
 def _opposed(gram: torch.Tensor, dimension: int) -> tuple[frozenset[int], frozenset[int]]:
@@ -195,7 +202,7 @@ def _opposed(gram: torch.Tensor, dimension: int) -> tuple[frozenset[int], frozen
     agreement = float(cosines[others][:, others][pairs[0], pairs[1]].median())  # the lower middle, for an even count
     if agreement < max(FLIP_AGREEMENT, 2 * margin):
         return frozenset(suspect), frozenset()
-    flipped = [i for i in suspect if 2 * int((cosines[i, others] < -agreement / 2).sum()) > len(others)]
+    flipped = [i for i in suspect if 2 * int((cosines[i, others] < -FLIP_SHARE * agreement).sum()) > len(others)]
     return frozenset(suspect), frozenset(flipped)
 
 

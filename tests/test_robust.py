@@ -80,9 +80,11 @@ def test_clean_contributions_average_to_their_weighted_mean():
 @pytest.mark.parametrize("attack, verdict", [
     (lambda g: 90 * g, "far"),
     (lambda g: -10 * g, "far"),  # opposed too, and far: a strike
-    (lambda g: -3 * g, "far"),  # once more than a result's length against it: far, whatever it claims
-    (lambda g: -2 * g, "far"),
-    (lambda g: -0.5 * g, "flipped"),  # short, but against peers that agree (cosines ~0.33): a strike too
+    # Within the far test's reach for a part claiming many tokens (five results' length), but against peers that
+    # agree (cosines ~0.33): flipped, a strike too.
+    (lambda g: -3 * g, "flipped"),
+    (lambda g: -2 * g, "flipped"),
+    (lambda g: -0.5 * g, "flipped"),
 ], ids=["scaled_x90", "sign_flip_x10", "sign_flip_x3", "sign_flip_x2", "sign_flip_x0.5"])
 def test_an_attacking_contribution_is_flagged_and_left_out_whatever_weight_it_claims(attack, verdict):
     """Far and flipped parts earn a strike (peers/robust.py)."""
@@ -93,6 +95,20 @@ def test_an_attacking_contribution_is_flagged_and_left_out_whatever_weight_it_cl
         result = robust_aggregate(parts, tokens)
         assert getattr(result, verdict) == {len(group)} and result.flagged == {len(group)}
         assert relative(result.aggregate, torch.stack(group).mean(dim=0)) < 1e-5
+
+
+def test_a_part_a_few_times_longer_than_the_others_is_left_out_without_a_strike():
+    """Honest parts were seen up to 5.3x the median distance from the result (a fresh inner optimizer after a
+    download): beyond 3x a part is left out, but only beyond 8x is it a strike. Claiming more tokens lets a part
+    lie further along the result."""
+    *honest, own = honest_updates(4, seed=1)
+    for group in (honest, honest[:2]):
+        parts = torch.stack([*group, 5 * own])
+        result = robust_aggregate(parts, torch.full((len(group) + 1,), 1000.0))
+        assert result.astray == {len(group)} and result.flagged == {len(group)}
+        assert relative(result.aggregate, torch.stack(group).mean(dim=0)) < 1e-5
+        tokens = torch.tensor([1000.0] * len(group) + [4000.0])
+        assert not robust_aggregate(parts, tokens).flagged
 
 
 def test_peers_whose_updates_barely_agree_are_not_taken_for_opposed():
