@@ -612,6 +612,16 @@ class SwarmAverager(AveragerBase):
                     raise ValueError(f"{name} residual shape {tuple(state[name].shape)} != {tuple(residual.shape)}")
                 residual.copy_(state[name])
 
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None,
+                              prefer: Optional[tuple[int, str]] = None):
+        """hivemind's, checked (`state_check`); with `prefer`, the state of that (round, fingerprint) whenever some
+        peer offers it, whatever most offers say (peers/state_download.py)."""
+        if prefer is None:
+            return super().load_state_from_peers(wait=wait, timeout=timeout)
+        future = MPFuture()
+        self.run_in_averager_process("download_state", future=future, timeout=timeout, prefer=prefer)
+        return future.result(timeout=timeout) if wait else future
+
     def banned_peers(self) -> dict[str, str]:
         """Peers this one has banned for the run (peer id -> the reason it was last rejected for)."""
         future = MPFuture()
@@ -738,12 +748,13 @@ class SwarmAverager(AveragerBase):
         async for response in super().rpc_join_group(request, context):
             yield response
 
-    async def download_state(self, future: MPFuture, timeout: Optional[float] = None):
+    async def download_state(self, future: MPFuture, timeout: Optional[float] = None,
+                             prefer: Optional[tuple[int, str]] = None):
         keep_tasks_until_done(asyncio.get_running_loop())  # a joining peer's first call, before any step
         if self._state_check is None:
             return await super().download_state(future, timeout=timeout)
         try:
-            future.set_result(await download_checked_state(self, self._state_check))
+            future.set_result(await download_checked_state(self, self._state_check, prefer))
         except BaseException as error:
             if not future.done():
                 future.set_exception(error)

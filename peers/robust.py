@@ -51,7 +51,7 @@ FAR_RATIO = 3.0  # "astray": beyond this times the median distance to the result
 FAR_STRIKE_RATIO = 8.0  # "far", a strike: beyond this times it (honest parts: up to 5.3x measured)
 FAR_TOKEN_ALLOWANCE = 4.0  # a peer with k times the median tokens may lie up to (1 + k) results away, k <= this
 OPPOSED_COS = 0.05  # "opposed": a cosine below minus this (honest peers measure +0.27 and more); see _opposed
-FLIP_AGREEMENT = 0.3  # "flipped": opposed to others whose median cosine is at least this ...
+FLIP_AGREEMENT = 0.5  # "flipped": opposed to others whose median cosine is at least this (noise: up to 0.43) ...
 FLIP_SHARE = 0.6  # ... by a cosine below minus this share of it (a sign flip: about minus all of it)
 COLLUSION_DISTANCE = 0.25  # "colluding": two contributions closer than this times the median pairwise distance
 SMALL_SHARE = 0.5  # a contribution shorter than this times the result is never taken for a colluder

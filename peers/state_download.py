@@ -6,7 +6,10 @@ highest claimed priority won: one peer serving finite random weights "at round 1
 newcomer. A downloader (`download_checked_state`, run in the averager's process) now
 
 1. takes the base (round, fingerprint) that most offers of this run announce, ties going to the lower round
-   (a liar claims a high one), and downloads only from peers that announce it, one after another, the most
+   (a liar claims a high one), or the base the caller prefers when some peer offers it (a peer out of step with
+   its group wants the group's base: offers are refreshed every few seconds, so right after a round one offer
+   of the old base and one of the new tie, and the tie went to the old one, round after round), and downloads
+   only from peers that announce it, one after another, the most
    recently refreshed offer first (the likeliest to be still current); peers it has banned (peers/reputation.py)
    are neither counted nor asked, and when none of a base's peers answers (they left: an offer outlives its peer
    by up to OFFER_TTL_S), their offers stop counting and the base is taken again from the others;
@@ -155,14 +158,17 @@ class _NoState(Exception):
     and a peer that left answers so while its daemon lives), which counts as not answering."""
 
 
-async def download_checked_state(averager, check: StateCheck) -> tuple[dict, list[torch.Tensor]] | None:
-    """Download the state most peers of the run offer, from one of them, checked (see the module's docstring);
-    None if no peer sends an acceptable one. Runs in the averager's process: `averager` is a SwarmAverager
-    (its DHT, p2p and RPC stub)."""
+async def download_checked_state(
+    averager, check: StateCheck, prefer: tuple[int, str] | None = None
+) -> tuple[dict, list[torch.Tensor]] | None:
+    """Download the state most peers of the run offer (or `prefer`, a (round, fingerprint), if some peer offers
+    it), from one of them, checked (see the module's docstring); None if no peer sends an acceptable one. Runs
+    in the averager's process: `averager` is a SwarmAverager (its DHT, p2p and RPC stub)."""
     gone: set[str] = set()  # donors that did not answer: their offers no longer count
     while True:
         offers = {peer: entry.value for peer, entry in _offers(averager, check).items() if peer not in gone}
-        base = majority_base(list(offers.values()))
+        offered = {(offer.round, offer.weights) for offer in offers.values()}
+        base = prefer if prefer in offered else majority_base(list(offers.values()))
         if base is None:
             log.info("no peer offers the swarm's state")
             return None

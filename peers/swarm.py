@@ -92,7 +92,8 @@ class RoundAverager(Protocol):
                     group_size: Optional[int] = None,
                     pair_partners: Optional[Collection[str]] = None) -> PendingAverage: ...
 
-    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None): ...
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None,
+                              prefer: Optional[Base] = None): ...
 
     def banned_peers(self) -> dict[str, str]: ...
 
@@ -465,7 +466,7 @@ class SwarmPeer:
         if not self.averager.client_mode:
             self.averager.state_sharing_priority = -1.0  # nobody should download our state meanwhile
         try:
-            state = self.averager.load_state_from_peers(wait=True, timeout=RESYNC_TIMEOUT_S)
+            state = self.averager.load_state_from_peers(wait=True, timeout=RESYNC_TIMEOUT_S, prefer=consensus)
         except Exception as error:  # a timeout, or the averager shutting down: try again next round
             log.debug("state download failed: %r", error)
             state = None

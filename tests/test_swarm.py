@@ -209,7 +209,7 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
 def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_file, capsys):
     """One swarm, in order: a founder prints how to join; a second peer joins; a late joiner downloads the
     state and continues; `peers --json` lists all three; a contradicting flag is refused; a peer killed
-    with SIGKILL mid-round does not stall the others; no peer strikes another."""
+    with SIGKILL mid-round does not stall the others."""
     # A long schedule (--steps, adopted by the joiners): the run must not end while the test watches it.
     a = spawn("a", *join_args("a", text_file, "--run-id", "late", "--name", "a", "--steps", "1000000",
                               *TINY, *FAST_ROUNDS))
@@ -266,8 +266,6 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     stop_all([a, c])
     after_kill = [others for number, (others, _) in rounds(a.output()).items() if number > last_round[a] + 1]
     assert 1 in after_kill  # a and c still average together
-    for peer in (a, b, c):  # all honest: the joiner's first rounds and the killed peer earn nobody a strike
-        assert not re.search(r"rejected \w+ this round|banning \w+", peer.output()), peer.summary()
 
 
 @pytest.mark.timeout(60)

@@ -207,6 +207,32 @@ def test_the_offer_of_a_peer_that_left_does_not_keep_a_joiner_from_the_live_stat
             averager.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_a_peer_resyncing_to_its_groups_base_downloads_it_from_a_tie(nodes):
+    """Right after a round one peer may still offer the old base while another offers the new one: a tie, which
+    goes to the lower round. A peer out of step with its group asks for the group's base (`prefer`) and gets it
+    (it used to download the old base, find it was not the group's, and stay out of step round after round)."""
+    old_node, new_node, joiner_node = nodes("old"), nodes("new"), nodes("joiner")
+    old_weights = [w * 2 for w in honest_weights()]
+    old = Donor(old_node, lambda: state(old_weights, 5))
+    new = Donor(new_node, lambda: state(honest_weights(), 6))
+    check = StateCheck(RUN, config().hash, tuple(SHAPES))
+    joiner = SwarmAverager([torch.zeros(1)], joiner_node, prefix=f"{RUN}_grad", client_mode=True, state_check=check)
+    group_base = (6, fingerprint(honest_weights()))
+    try:
+        old.offer(5, fingerprint(old_weights))
+        new.offer(*group_base)
+        assert joiner.load_state_from_peers(wait=True, timeout=60)[0]["round"] == 5  # the tie's lower round
+        metadata, tensors = joiner.load_state_from_peers(wait=True, timeout=60, prefer=group_base)
+        assert metadata["donor"] == str(new_node.peer_id) and metadata["round"] == 6
+        assert all(torch.equal(t, w) for t, w in zip(tensors, honest_weights()))
+        # a preferred base that nobody offers changes nothing: a liar's group cannot name a state of its own
+        assert joiner.load_state_from_peers(wait=True, timeout=60, prefer=(7, "0" * 12))[0]["round"] == 5
+    finally:
+        for averager in (joiner, old.averager, new.averager):
+            averager.shutdown()
+
+
 def test_the_majority_base_wins_and_ties_go_to_the_lower_round():
     from tscale_p2p.peers.state_download import StateOffer, majority_base
 
