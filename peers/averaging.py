@@ -616,8 +616,6 @@ class SwarmAverager(AveragerBase):
                               prefer: Optional[tuple[int, str]] = None):
         """hivemind's, checked (`state_check`); with `prefer`, the state of that (round, fingerprint) whenever some
         peer offers it, whatever most offers say (peers/state_download.py)."""
-        if prefer is None:
-            return super().load_state_from_peers(wait=wait, timeout=timeout)
         future = MPFuture()
         self.run_in_averager_process("download_state", future=future, timeout=timeout, prefer=prefer)
         return future.result(timeout=timeout) if wait else future

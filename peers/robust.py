@@ -176,10 +176,10 @@ def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> 
     typical = float(distances.median())
     median_tokens = float(capped_weights(tokens).max())
     allowance = (tokens / max(median_tokens, 1e-30)).clamp(1.0, FAR_TOKEN_ALLOWANCE)
-    reach = (1.0 + allowance) * float(aggregate.norm())
-    beyond = [i for i, d in enumerate(distances.tolist()) if d > float(reach[i])]
-    return (frozenset(i for i in beyond if distances[i] > FAR_RATIO * typical),
-            frozenset(i for i in beyond if distances[i] > FAR_STRIKE_RATIO * typical))
+    reach = ((1.0 + allowance) * float(aggregate.norm())).tolist()
+    beyond = [(i, d) for i, d in enumerate(distances.tolist()) if d > reach[i]]
+    return (frozenset(i for i, d in beyond if d > FAR_RATIO * typical),
+            frozenset(i for i, d in beyond if d > FAR_STRIKE_RATIO * typical))
 
 
 def _opposed(gram: torch.Tensor, dimension: int) -> tuple[frozenset[int], frozenset[int]]:

@@ -9,8 +9,8 @@ newcomer. A downloader (`download_checked_state`, run in the averager's process)
    (a liar claims a high one), or the base the caller prefers when some peer offers it (a peer out of step with
    its group wants the group's base: offers are refreshed every few seconds, so right after a round one offer
    of the old base and one of the new tie, and the tie went to the old one, round after round), and downloads
-   only from peers that announce it, one after another, the most
-   recently refreshed offer first (the likeliest to be still current); peers it has banned (peers/reputation.py)
+   only from peers that announce it, one after another, the most recently refreshed offer first (the likeliest
+   to be still current); peers it has banned (peers/reputation.py)
    are neither counted nor asked, and when none of a base's peers answers (they left: an offer outlives its peer
    by up to OFFER_TTL_S), their offers stop counting and the base is taken again from the others;
 2. refuses a tensor whose declared shape, dtype, encoding or size is not the run's before buffering it, so a
