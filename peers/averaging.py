@@ -126,10 +126,11 @@ logger = logging.getLogger(__name__)
 # huge token count still cannot send more than this times max_norm_ratio our norm.
 TOKEN_ALLOWANCE_CAP = 10.0
 
-# A reducer's average of a span may be at most this times the norm of what we sent for it (times the median
-# groupmate's tokens over ours, where that is more): the robust aggregate lies among the honest contributions, so
-# it is no longer than the longest of them, but one peer's update can be several times shorter than the others'
-# at equal tokens (seen: 7.5x, on a tiny model a few steps into a round). A reducer sending -50x the average fails.
+# A reducer's average of a part may be at most this times the norm of what we sent for it (or our span's norm
+# per value over the part's length, where that is more: `reference_norms`), times the median groupmate's tokens
+# over ours where that is more: the robust aggregate lies among the honest contributions, so it is no longer than
+# the longest of them, but one peer's update can be several times shorter than the others' at equal tokens (seen:
+# 7.5x, on a tiny model a few steps into a round). A reducer sending -50x the average fails.
 REPLY_NORM_RATIO = 10.0
 
 # A reducer's average of a span is refused as pointing away from our part when their cosine is below minus this
@@ -1111,7 +1112,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             self.banned_senders.add(peer_id)
             self.tensor_part_reducer.on_sender_failed(self.sender_peer_ids.index(peer_id))
         self._invalid: dict[PeerID, str] = {}  # groupmates whose parts or averages were refused, and why
-        self._own_norms = [float(part.norm()) for part in self.parts_for_local_averaging]
+        self._own_norms = reference_norms(self.parts_for_local_averaging)
         self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
         self._compressing: set[int] = set()  # parts whose reply is being made
         self._sent_parts: dict[int, list[tuple[torch.Size, float]]] = {}  # peer index -> (shape, norm) we sent
@@ -1334,6 +1335,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         if self.should_delay_results(self.peer_id):
             await done_sending.wait()
         sent_parts = parts_sent_to(self.tensor_part_container, peer_index)
+        floors = reference_norms(sent_parts)
         expected = self.tensor_part_container.num_parts_by_peer[peer_index]
         answers, buffers, signature = [], [], None  # the decoded averages, the bytes they came in, its signature
         refusal: Optional[InvalidContributionError] = None
@@ -1356,7 +1358,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
                 averaged = await loop.run_in_executor(None, _decode_part, self.codec.return_trip,
                                                       message.tensor_part, shape)
                 try:
-                    self._check_reply_norm(averaged, sent_norm)
+                    self._check_reply_norm(averaged, max(sent_norm, floors[part_index]))
                 except InvalidContributionError as e:
                     refusal = e
                     continue
@@ -1392,21 +1394,22 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
         self.reply_digests[peer_index] = digest
 
-    def _check_reply_norm(self, averaged: torch.Tensor, sent_norm: float) -> None:
+    def _check_reply_norm(self, averaged: torch.Tensor, reference: float) -> None:
         """Refuse an average that cannot be the robust aggregate of a group that includes our part: one longer
-        than REPLY_NORM_RATIO times our part, times the median groupmate's tokens over ours where that is more.
+        than REPLY_NORM_RATIO times `reference` (our part's norm, or `reference_norms`' where that is more), times
+        the median groupmate's tokens over ours where that is more.
 
         The token allowance is what lets a peer just past a state download, a few steps into its round, accept
         the group's average of whole rounds. A looser bound for such a peer (the contributions' `max_norm_ratio`)
         let a reducer's 50x answer through to exactly the peers that had just resynced after its last lie.
         """
-        if sent_norm == 0:
+        if reference == 0:
             return
         allowance = max(1.0, self.median_tokens / self.weight) if self.weight > 0 else 1.0
         norm = float(averaged.norm())
-        if norm > REPLY_NORM_RATIO * allowance * sent_norm:
+        if norm > REPLY_NORM_RATIO * allowance * reference:
             raise InvalidContributionError(f"average norm {norm:.3g} is over {REPLY_NORM_RATIO:g} x {allowance:.3g} "
-                                           f"x our part's {sent_norm:.3g}")
+                                           f"x our part's {reference:.3g}")
 
     async def _count_outgoing(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         sent = self._sent_parts.setdefault(peer_index, [])
@@ -1415,6 +1418,16 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             self.traffic[_SENT] += message.ByteSize()
             self.traffic[_VALUES_SENT] += math.prod(message.tensor_part.size)
             yield message
+
+
+def reference_norms(parts: Sequence[torch.Tensor]) -> list[float]:
+    """What our own parts of a span say about how long the group's are: each part's norm, or the norm it would
+    have at the span's norm per value, where that is more. A part where our update is nearly zero says little (a
+    peer a step or two into its round, in embedding rows it has barely touched: 36x shorter than the group's
+    average was seen), so bounds scaled by it would refuse honest parts and averages."""
+    squares = [float(part.norm()) ** 2 for part in parts]
+    per_value = sum(squares) / max(sum(part.numel() for part in parts), 1)
+    return [max(math.sqrt(square), math.sqrt(per_value * part.numel())) for square, part in zip(squares, parts)]
 
 
 def _settle(slot: asyncio.Future, done: asyncio.Future) -> None:

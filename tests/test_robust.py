@@ -312,6 +312,28 @@ def test_a_peer_a_few_steps_into_its_round_refuses_a_50x_answer_too():
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_a_peer_whose_update_is_near_zero_in_one_part_takes_the_honest_average_of_it():
+    """A peer 1-2 steps into its round can have an update some 50x shorter than the group's in one part (rows of
+    an embedding it has barely touched) and a normal one elsewhere in the span. Its part is no reference for the
+    average's length there: the honest average is taken, as reducer and as sender, with no strike either way.
+    (Two peers: parts split at tensor starts, so whichever span peer 0 checks, one whole part of it is near zero.)"""
+    with swarm([OneBitCodec() for _ in range(2)]) as averagers:
+        grads = grads_of_round(0, 2)
+        quiet = [g.clone() for g in grads[0]]
+        quiet[0].view(-1)[:2048] /= 50  # the first part of span 0
+        quiet[1] /= 50  # the (1000,) tensor: a whole part of span 1
+        grads[0] = quiet
+        outcomes = play(averagers, grads, [1000.0, 1000.0], group_size=2)
+        want = expected_first_round(grads, [1000.0, 1000.0])
+        for outcome in outcomes:
+            assert outcome.group_size == 2 and outcome.dropped_peers == 0
+            assert relative_error(outcome.averaged, want) < 1e-2
+        assert torch.equal(flat(outcomes[0].averaged), flat(outcomes[1].averaged))
+        assert all(not averager.caught_peers(disputed=True) for averager in averagers)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_reducer_answering_minus_the_average_loses_its_span_without_a_strike():
     """An average of the right length pointing away from every sender's part is refused (its span stays zero),
     but earns no strike: a peer out of step with the group can honestly point away from a sender's part."""

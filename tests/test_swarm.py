@@ -244,7 +244,11 @@ def test_late_joiner_listing_refusals_and_a_killed_peer(spawn, tmp_path, text_fi
     assert records["a"]["step"] > 0 and records["a"]["device"] == "cpu" and records["a"]["precision"] == "fp32"
     assert records["a"]["offload"] is False and records["a"]["relayed"] is False
     assert records["b"]["round"] >= 2 and records["b"]["bytes_sent"] > 0 and records["b"]["last_averaging"]
-    assert records["b"]["dropped_peers"] == 0  # from its last round's outcome
+    # From one of its rounds' outcomes: under load a round can lose a groupmate mid-round (a reducer's stream cut
+    # short, a span the group disagrees on), which b's log counts too. Losing one is no attack: nobody is banned.
+    lost = {0} | {int(count) for count in re.findall(r"lost (\d+) of them mid-round", b.output())}
+    assert records["b"]["dropped_peers"] in lost
+    assert all(record["banned_peers"] == 0 for record in records.values())
 
     # (every run setting's check is tests/test_run_config.py's; here the command's exit 2 and one line)
     out = str(tmp_path / "refused")
