@@ -17,12 +17,17 @@ newcomer. A downloader (`download_checked_state`, run in the averager's process)
    peer cannot make it hold gigabytes; and
 3. accepts a state only if its metadata is well-formed (`StateMetadata`: a "round" of "abc" no longer crashes
    the joiner), it is finite, its tokenizer is the run's, and the fingerprint of its weights recomputed here is
-   that majority's. A refused state gets one warning naming the peer and why; the next peer is tried.
+   that majority's. A refused state gets one warning naming the peer and why; the next peer is tried. A donor
+   that applied a round while we downloaded sends that later round's state: it is taken once most offers
+   announce it (its group re-announces right after the round), waited for up to OFFER_CATCH_UP_S; a resyncing
+   peer that refused it stayed a round behind its group.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -45,6 +50,7 @@ log = logging.getLogger(__name__)
 
 OFFER_TTL_S = 60.0  # re-announced every few seconds while a peer shares its state
 MAX_METADATA_BYTES = 64 * 2**20  # the metadata carries a BPE tokenizer.json, packed
+OFFER_CATCH_UP_S = 5.0  # how long a state a round later than the offers waits for most offers to announce it
 
 
 class StateOffer(RecordModel):
@@ -203,17 +209,27 @@ async def _download_base(
             continue
         problem = check.problem(metadata, tensors)
         if problem is None and (metadata["round"], metadata["weights"]) != base:
-            # The swarm may have moved on a round while we downloaded: the majority's base then.
-            now = majority_base([e.value for p, e in _offers(averager, check).items() if p not in gone])
-            if (metadata["round"], metadata["weights"]) != now:
-                problem = (f"it is the state of round {metadata['round']}, weights {metadata['weights']}, not the "
-                           f"one most peers offer (round {base[0]}, weights {base[1]})")
+            got = (metadata["round"], metadata["weights"])
+            # The swarm may have moved on a round while we downloaded: taken once most offers announce it.
+            if not (got[0] > base[0] and await _offers_catch_up(averager, check, gone, got)):
+                problem = (f"it is the state of round {got[0]}, weights {got[1]}, not the one most peers offer "
+                           f"(round {base[0]}, weights {base[1]})")
         if problem is not None:
             log.warning("refusing the state of peer %s: %s; trying another peer", peer, problem)
             continue
         return {**metadata, "donor": peer}, tensors
     log.warning("no peer sent an acceptable state of round %d (asked %d)", base[0], len(donors))
     return None
+
+
+async def _offers_catch_up(averager, check: StateCheck, gone: set[str], got: tuple[int, str]) -> bool:
+    """Whether most offers (of peers not `gone`) announce `got` within OFFER_CATCH_UP_S."""
+    deadline = time.monotonic() + OFFER_CATCH_UP_S
+    while majority_base([entry.value for peer, entry in _offers(averager, check).items() if peer not in gone]) != got:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.25)
+    return True
 
 
 def _offers(averager, check: StateCheck) -> dict:

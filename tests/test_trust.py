@@ -4,6 +4,7 @@ states, fake progress records."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import hivemind
@@ -230,6 +231,30 @@ def test_a_peer_resyncing_to_its_groups_base_downloads_it_from_a_tie(nodes):
         assert joiner.load_state_from_peers(wait=True, timeout=60, prefer=(7, "0" * 12))[0]["round"] == 5
     finally:
         for averager in (joiner, old.averager, new.averager):
+            averager.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_state_a_round_newer_than_the_offers_is_taken_once_they_announce_it(nodes):
+    """Donors that apply a round while a peer downloads send the next round's state before their offers say so
+    (they re-announce right after the round): it is taken once most offers announce it, within moments; a
+    resyncing peer that refused it stayed a round behind its group. Never announced, it is refused."""
+    first_node, second_node, joiner_node = nodes("first"), nodes("second"), nodes("joiner")
+    old_weights = [w * 2 for w in honest_weights()]
+    donors = [Donor(node, lambda: state(honest_weights(), 6)) for node in (first_node, second_node)]
+    check = StateCheck(RUN, config().hash, tuple(SHAPES))
+    joiner = SwarmAverager([torch.zeros(1)], joiner_node, prefix=f"{RUN}_grad", client_mode=True, state_check=check)
+    try:
+        for donor in donors:
+            donor.offer(5, fingerprint(old_weights))
+        assert joiner.load_state_from_peers(wait=True, timeout=60) is None  # round 6 served, never announced
+        announce = threading.Timer(1.0, lambda: [donor.offer(6, fingerprint(honest_weights())) for donor in donors])
+        announce.start()
+        metadata, tensors = joiner.load_state_from_peers(wait=True, timeout=60)
+        announce.join()
+        assert metadata["round"] == 6 and all(torch.equal(t, w) for t, w in zip(tensors, honest_weights()))
+    finally:
+        for averager in (joiner, *(donor.averager for donor in donors)):
             averager.shutdown()
 
 
