@@ -39,21 +39,26 @@ def gradient(step: int, rank: int, key: int) -> torch.Tensor:
 def reference(grads: list[torch.Tensor], workers: list[torch.Tensor], servers: list[torch.Tensor],
               scale: torch.Tensor | None, carry: tuple[float, float] = EXACT) -> torch.Tensor:
     """DeepSpeed's compressed all-reduce written out for all ranks in one process, of `grads / scale` and
-    multiplied back by `scale` when there is one, `carry` (worker, server) of each residual kept; updates the
-    residuals."""
+    multiplied back by `scale` when there is one, `carry` (worker, server) of each residual kept, each reducer
+    taking its own chunk exactly (its 1-bit form plus what packing lost, for which it keeps no residual);
+    updates the residuals."""
     world, numel = len(grads), grads[0].numel()
     chunk = -(-numel // (world * BLOCK)) * BLOCK
-    decoded = []
-    for g, residual in zip(grads, workers):
+    decoded, lost = [], []  # lost[j]: what packing lost of rank j's own chunk
+    for rank, (g, residual) in enumerate(zip(grads, workers)):
         padded = torch.zeros(world * chunk)
         padded[:numel] = g if scale is None else g / scale
         signs, scales = error_feedback_pack(padded, residual, BLOCK)
         residual[numel:] = 0
+        own = residual[rank * chunk : (rank + 1) * chunk]
+        lost.append(own.clone())
+        own.zero_()
         residual *= carry[0]
         decoded.append(unpack(signs, scales, world * chunk, BLOCK).view(world, chunk))
     out = []
     for j in range(world):
         mean = torch.stack([d[j] for d in decoded]).sum(dim=0) / world
+        mean.add_(lost[j], alpha=1 / world)
         valid = max(0, min(chunk, numel - j * chunk))
         mean[valid:] = 0
         signs, scales = error_feedback_pack(mean, servers[j], BLOCK)

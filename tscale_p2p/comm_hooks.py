@@ -5,8 +5,9 @@ W ranks a gradient bucket of n values is padded to W chunks of whole 1-bit block
 
 1. the rank packs `bucket + worker residual` to signs and one bf16 scale per block (`kernels.onebit`, Triton on
    a GPU, torch on the CPU); the residual keeps what the packing lost (error feedback);
-2. all-to-all: chunk j of every rank's packed bucket goes to rank j, which unpacks the W versions of its chunk
-   and averages them;
+2. all-to-all: chunk j of every rank's packed bucket goes to rank j, which unpacks the other W-1 versions of its
+   chunk and averages them with its own exact values: its own chunk never crosses the wire, so the rank keeps no
+   worker residual for it (packing it too, as DeepSpeed does, only added error);
 3. the reducer packs `mean + server residual` (its own residual, for the chunk it reduces) and all-gathers
    the packed chunk; every rank unpacks all W chunks, so every rank applies the same averaged gradient.
 
@@ -16,7 +17,8 @@ mean gradients minus the residuals currently held (the mean of the worker residu
 the error never accumulates. `train` damps both residuals instead (`WORKER_CARRY`, `SERVER_CARRY`: half of each is
 carried into the next step, as the swarm damps its sender residual): +1.32% val loss against an uncompressed run
 over five seeds, against +1.69% with only the worker residual damped and +3.02% (three seeds) with neither,
-better at every seed each time (benchmarks/RESULTS.md, synchronous mode).
+better at every seed each time; with each reducer's own chunk taken exactly (step 2), +0.51% over five seeds
+(benchmarks/RESULTS.md, synchronous mode).
 
 With the optimizer given (AdamW, as `train` does), the exchange carries the preconditioned gradient: the bucket
 divided by AdamW's `sqrt(exp_avg_sq) + eps` of its values (the same on every rank, since every rank applied
@@ -128,6 +130,10 @@ class OneBitAllReduce:
         residual = self._residual(self.worker_residuals, key, world * chunk, device)
         signs, scales = error_feedback_pack(flat, residual, block)
         residual[numel:] = 0  # padding is not a gradient: keep no error for it
+        own = residual[rank * chunk : (rank + 1) * chunk]  # what packing lost of the chunk this rank reduces
+        own_error = self._vector("own_error", key, chunk, device)
+        own_error.copy_(own)
+        own.zero_()
         if self.worker_carry != 1:
             residual.mul_(self.worker_carry)
         send = torch.cat([signs.view(world, sign_bytes), scales.view(world, scale_count).view(torch.uint8)], dim=1)
@@ -141,6 +147,7 @@ class OneBitAllReduce:
         # every rank, and issuing the all-gather from a completion callback would race the next bucket's.
         dist.all_to_all_single(received, send, group=self.group)
         mean = self._mean_of_packed(key, received, chunk)
+        mean.add_(own_error, alpha=1 / world)  # our own row decoded, plus what packing lost of it: exact
         mean[padding_from:] = 0
         server_residual = self._residual(self.server_residuals, key, chunk, device)
         own_signs, own_scales = error_feedback_pack(mean, server_residual, block)
