@@ -59,6 +59,13 @@ class OneBitCodec(CompressionBase):
         """The codec of a reducer's answer: the same."""
         return self
 
+    @property
+    def own_part_exact(self) -> bool:
+        """Whether a reducer averages its own part of its span uncoded (it never travels). Right for this dense
+        code: a decoded part covers every value and keeps ~0.8 of its length, so an exact one stands beside it
+        in the robust average as one more honest part."""
+        return True
+
     def carried(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What one message carries of `tensor` (+ `residual`, flat fp32, which then keeps what did not fit)."""
         if residual is None:
@@ -192,6 +199,11 @@ class TopKCodec(CompressionBase):
     @property
     def return_trip(self) -> "TopKCodec":
         return TopKCodec(self.return_k, self.return_k, self.levels, self.chunk)
+
+    @property
+    def own_part_exact(self) -> bool:
+        """No: a decoded part keeps a few values of each chunk, so an exact one would outweigh the others'."""
+        return False
 
     def carried(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         flat = tensor.detach().reshape(-1).float()

@@ -50,11 +50,29 @@ def weighted_mean(grads: list[list[torch.Tensor]], tokens: list[float]) -> list[
     return [sum(w * g[i] for g, w in zip(grads, weights)) / sum(weights) for i in range(len(SHAPES))]
 
 
-def expected_first_round(grads, tokens, codec=OneBitCodec()) -> list[torch.Tensor]:
-    """Senders send the codec's form of their grads, the reducer its return form of their weighted mean; no
-    residuals yet in round one."""
-    sent = [[codec.carried(g) for g in peer] for peer in grads]
-    return [codec.return_trip.carried(mean) for mean in weighted_mean(sent, tokens)]
+def expected_first_round(grads, tokens, like, codec=OneBitCodec(), others_reduce=False) -> list[torch.Tensor]:
+    """Senders send the codec's form of their grads, except that each reducer takes its own part of its span
+    exactly (with the sign code); the reducer sends back its return form of their weighted mean; no residuals
+    yet in round one. Which peer reduced which values is the group's draw, so each block of 256 values is the
+    one, among the peers' candidates (that peer exact), nearest to `like` (the average got) there; with
+    `others_reduce`, peers whose parts are left out reduce spans too, where every part of `grads` is coded."""
+    candidates = []
+    for reducer in range(len(grads) + others_reduce):
+        sent = [[g if index == reducer and codec.own_part_exact else codec.carried(g) for g in peer]
+                for index, peer in enumerate(grads)]
+        candidates.append([codec.return_trip.carried(mean) for mean in weighted_mean(sent, tokens)])
+    expected = []
+    for index, got in enumerate(like):
+        options = [candidate[index].reshape(-1).split(256) for candidate in candidates]
+        blocks = [min((option[b] for option in options), key=lambda block: float((block - got_block).norm()))
+                  for b, got_block in enumerate(got.reshape(-1).split(256))]
+        expected.append(torch.cat(blocks).view_as(got))
+    return expected
+
+
+def first_round_error(averaged, grads, tokens) -> float:
+    """How far a first round's 1-bit average is from the one expected of these grads."""
+    return relative_error(averaged, expected_first_round(grads, tokens, averaged))
 
 
 def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -126,7 +144,7 @@ def test_three_peers_average_agree_and_error_feedback_keeps_the_books(codec_name
             # the group sends 2(n-1) models' worth of values in all, whatever the spans, and receives them all.
             assert sum(o.values_sent for o in outcomes) == sum(o.values_received for o in outcomes) == 4 * true_mean.numel()
             if round_number == 0:
-                expected = expected_first_round(grads, tokens, make_codec())
+                expected = expected_first_round(grads, tokens, outcomes[0].averaged, make_codec())
                 assert relative_error(outcomes[0].averaged, expected) < 1e-2
             delivered += torch.cat([t.view(-1) for t in outcomes[0].averaged])
             target = true_mean * (round_number + 1)
@@ -164,7 +182,7 @@ def test_a_client_mode_peer_contributes_and_gets_the_same_average():
     for outcome in outcomes[1:]:
         for got, want in zip(outcome.averaged, outcomes[0].averaged):
             assert torch.equal(got, want)
-    assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+    assert first_round_error(outcomes[0].averaged, grads, tokens) < 1e-2
 
 
 class NaNScales(OneBitCodec):
@@ -193,7 +211,6 @@ def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
     codecs = [OneBitCodec(), OneBitCodec(), NaNScales(), WrongShape(), HugeNorm()]
     grads = [random_grads(seed) for seed in range(len(codecs))]
     tokens = [1000.0, 3000.0, 1000.0, 1000.0, 1000.0]
-    honest = expected_first_round(grads[:2], tokens[:2])
     # ~17 parts of 512 values: a few per peer; senders carry half their residual into the next round
     with swarm(codecs, part_size_bytes=64, residual_carry=0.5) as averagers:
         pending = [a.start_round(g, tokens=t) for a, g, t in zip(averagers, grads, tokens)]
@@ -206,19 +223,22 @@ def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
     for a, b in zip(first.averaged, second.averaged):
         assert torch.equal(a, b)
     got = torch.cat([t.view(-1) for t in first.averaged])
-    want = torch.cat([t.view(-1) for t in honest])
+    want = torch.cat([t.view(-1) for t in expected_first_round(grads[:2], tokens[:2], first.averaged)])
     # Spans reduced by an honest peer hold the honest-only average; the answers of the bad peers for the
     # spans they reduced are refused on receipt, so those stay zero. Nothing else may appear.
     reduced = got != 0
     assert 0.2 < float(reduced.float().mean()) < 0.6
     assert float((got[reduced] - want[reduced]).norm() / want[reduced].norm()) < 1e-2
     # Error feedback: an honest sender still owes exactly what no honest reducer averaged (all of its pseudo-
-    # gradient there, whatever the carry), and elsewhere half of what the 1-bit message could not carry.
+    # gradient there, whatever the carry), nothing of its own part of the span it reduced (taken exactly), and
+    # elsewhere half of what the 1-bit message could not carry.
     mine = torch.cat([g.view(-1) for g in grads[0]])
     owed = first_state["sender"]
     torch.testing.assert_close(owed[~reduced], mine[~reduced], rtol=0, atol=1e-9)
     sent = torch.cat([onebit(g).view(-1) for g in grads[0]])
-    torch.testing.assert_close(owed[reduced], 0.5 * (mine - sent)[reduced], rtol=0, atol=1e-9)
+    own = reduced & (owed == 0)
+    assert 0.1 < float(own.float().mean()) < 0.35  # its span: a fifth of the values
+    torch.testing.assert_close(owed[reduced & ~own], 0.5 * (mine - sent)[reduced & ~own], rtol=0, atol=1e-9)
 
 
 def test_a_peer_with_far_fewer_tokens_keeps_the_groups_average():
@@ -232,7 +252,7 @@ def test_a_peer_with_far_fewer_tokens_keeps_the_groups_average():
         assert outcome.error is None and outcome.group_size == 2 and outcome.dropped_peers == 0
     for got, want in zip(*(outcome.averaged for outcome in outcomes)):
         assert torch.equal(got, want)
-    assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+    assert first_round_error(outcomes[0].averaged, grads, tokens) < 1e-2
 
 
 def test_a_pair_with_a_peer_outside_pair_partners_is_refused_without_stalling_the_other():
@@ -247,7 +267,7 @@ def test_a_pair_with_a_peer_outside_pair_partners_is_refused_without_stalling_th
         taken = trusting.start_round(grads[1], tokens=1000.0).result(timeout=40)
         # the refuser's parts and answers all came (a silent peer would have been dropped after the timeout)
         assert taken.error is None and taken.group_size == 2 and taken.dropped_peers == 0
-        assert relative_error(taken.averaged, expected_first_round(grads, tokens)) < 1e-2
+        assert first_round_error(taken.averaged, grads, tokens) < 1e-2
         outcome = refused.result(timeout=40)
         assert outcome.averaged is None and outcome.error  # refused, then no group left to find
         assert float(wary.error_feedback_state()["sender"].norm()) < 1e-6  # nothing owed for the refused round
@@ -280,7 +300,7 @@ def test_a_round_scheduled_ahead_averages_one_all_reduce_after_it_starts():
             assert outcome.group_metadata == ("base",) * 3
             assert outcome.seconds < matchmaking_time, outcome.seconds  # no second matchmaking window
             assert torch.equal(outcome.averaged[0], outcomes[0].averaged[0])
-        assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+        assert first_round_error(outcomes[0].averaged, grads, tokens) < 1e-2
 
         averagers[0].schedule_round(matchmaking_time, tokens=500.0)
         averagers[0].cancel_scheduled_round()
@@ -305,7 +325,7 @@ def test_a_round_that_expects_its_whole_group_averages_as_soon_as_everyone_is_in
             assert outcome.error is None and outcome.group_size == 3 and outcome.dropped_peers == 0
             assert torch.equal(outcome.averaged[0], outcomes[0].averaged[0])
         early = max(outcome.seconds for outcome in outcomes)
-        assert relative_error(outcomes[0].averaged, expected_first_round(grads, tokens)) < 1e-2
+        assert first_round_error(outcomes[0].averaged, grads, tokens) < 1e-2
         waited = averagers[0].start_round(grads[0], tokens=1.0)  # no size given: the whole window, as before
         others = [a.start_round(g, tokens=1.0) for a, g in zip(averagers[1:], grads[1:])]
         waited_s = waited.result(timeout=40).seconds
@@ -536,7 +556,7 @@ def test_a_topk_sender_with_other_settings_is_dropped_and_the_others_average():
     for a, b in zip(first.averaged, second.averaged):
         assert torch.equal(a, b)
     got = torch.cat([t.view(-1) for t in first.averaged])
-    want = torch.cat([t.view(-1) for t in expected_first_round(grads[:2], [1000.0, 1000.0], make_codec())])
+    want = torch.cat([t.view(-1) for t in expected_first_round(grads[:2], [1000.0] * 2, first.averaged, make_codec())])
     reduced = got != 0  # the spans the honest peers reduced; the other peer's answers are refused
     assert int(reduced.sum()) >= 5  # some answer got through (a short chunk keeps as few as 6)
     assert float((got[reduced] - want[reduced]).norm() / want[reduced].norm()) < 1e-2
