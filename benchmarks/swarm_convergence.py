@@ -118,6 +118,24 @@ def carried(codec, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tens
     return codec.carried(x.contiguous(), None if residual is None else residual.view(-1))
 
 
+def send_own_span_exactly(exact: dict, sent: dict, residual: dict, span: int, spans: int, feedback: bool) -> None:
+    """As a reducer of span `span` (of `spans` equal spans of the flat update) a peer adds its own part there
+    uncoded: `sent` gets what it owed there (the exact update, plus its residual with error feedback) and the
+    residual keeps nothing of it."""
+    total = sum(t.numel() for t in exact.values())
+    lo, hi, offset = span * total // spans, (span + 1) * total // spans, 0
+    for name, tensor in exact.items():
+        a, b = max(lo - offset, 0), min(hi - offset, tensor.numel())
+        if a < b:
+            owed = sent[name].view(-1)[a:b]
+            if feedback:
+                owed.add_(residual[name].view(-1)[a:b])
+                residual[name].view(-1)[a:b] = 0
+            else:
+                owed.copy_(tensor.reshape(-1)[a:b])
+        offset += tensor.numel()
+
+
 def bits_per_value(codec) -> tuple[float, float]:
     """Bits per value of the codec's trip out and of its return trip, on a 2^20-value part (peers/codec.py)."""
     x = torch.randn(2**20)
@@ -125,8 +143,8 @@ def bits_per_value(codec) -> tuple[float, float]:
 
 
 # How the in-process rows average: each trip (sender -> reducer, reducer -> senders) is exact or 1-bit;
-# "swarm" is what SwarmAverager computes (1-bit up with the sender's error feedback, the mean sent back as one
-# 1-bit message without a reducer residual).
+# "swarm" is what SwarmAverager computes (1-bit up with the sender's error feedback, each reducer's own part of
+# its span exact, the mean sent back as one 1-bit message without a reducer residual).
 TRIPS = {"exact": ("exact", "exact"), "swarm": ("ef", "1bit"), "1-bit up only": ("ef", "exact"),
          "1-bit both ways, both with error feedback": ("ef", "ef"), "1-bit both ways, no error feedback": ("1bit", "1bit"),
          "1-bit both ways, a damped sender residual": ("damped-ef", "1bit")}
@@ -180,8 +198,13 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                 for tensor in residual.values():
                     tensor.mul_(args.carry)
         if up != "exact":
-            deltas = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None) for n in d}
-                      for d, residual in zip(deltas, residuals)]
+            coded = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None) for n in d}
+                     for d, residual in zip(deltas, residuals)]
+            if getattr(args, "own", codec.own_part_exact):  # as SwarmAverager, unless the row says otherwise
+                for i, (exact, sent, residual) in enumerate(zip(deltas, coded, residuals)):
+                    send_own_span_exactly(exact, sent, residual, (i + start // args.inner_steps) % len(peers),
+                                          len(peers), up in ("ef", "damped-ef"))
+            deltas = coded
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
         if down != "exact":
             previous = {n: carried(codec.return_trip, m, residuals[-1][n] if down == "ef" else None)
@@ -274,7 +297,7 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 
 
 def trip_spec(spec: str) -> tuple[str, str, dict]:
-    """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;momentum=Y][;k=K][;return_k=K]`:
+    """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]`:
     (row label, TRIPS key, overrides)."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
@@ -284,6 +307,8 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
         field, _, value = option.partition("=")
         if field in ("k", "return_k", "levels"):  # TopKCodec's
             overrides.setdefault("codec_options", {})[field] = int(value)
+        elif field == "own":  # own=0: each reducer codes its own part too, as SwarmAverager once did
+            overrides["own"] = bool(int(value))
         else:
             overrides[{"carry": "carry", "momentum": "outer_momentum"}[field]] = float(value)
     label = ", ".join([name, *(f"{k} {v}" for k, v in overrides.items())])
