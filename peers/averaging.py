@@ -6,14 +6,15 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    (`OneBitCodec`) and keeps in `residual` what did not fit; the residual lives in shared memory so it
    survives from round to round across the process boundary. With `residual_carry < 1` only that share of
    it is carried into the next round (a damped residual: see the parameter).
-2. **Reduce, robustly.** hivemind's butterfly all-reduce makes each peer the reducer of one span. A reducer
-   decodes every contribution and drops the sender for the round if it is not a well-formed 1-bit tensor of the
-   expected shape, is not finite, carries a non-positive weight, or has a norm above `max_norm_ratio` times the
-   reducer's own part (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`). What is left is not
-   averaged but aggregated robustly (peers/robust.py: CenteredClip, token weights capped at the group's median,
-   contributions opposed to most others', far from the group's or colluding left out). Senders check the
-   averages they get back against the parts they sent (`_OneBitAllReduceRunner._exchange_with_reducer`): a span
-   whose average could not come from an honest reducer (-50x the average, or its opposite) fails as a whole.
+2. **Reduce, robustly.** hivemind's butterfly all-reduce makes each peer the reducer of one span; its own part there
+   never travels, so with the sign code it is taken exactly. A reducer decodes every contribution and drops the
+   sender for the round if it is not a well-formed 1-bit tensor of the expected shape, is not finite, carries a
+   non-positive weight, or has a norm above `max_norm_ratio` times the reducer's own part (times the sender's tokens
+   over ours, at most `TOKEN_ALLOWANCE_CAP`). What is left is not averaged but aggregated robustly (peers/robust.py:
+   CenteredClip, token weights capped at the group's median, contributions opposed to most others', far from the
+   group's or colluding left out). Senders check the averages they get back against the parts they sent
+   (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose average could not come from an honest reducer
+   (-50x the average, or its opposite) fails as a whole.
 3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which
    differs per sender. Instead the reducer packs the mean once and sends the same bytes to everyone: the
    return trip is ~1 bit per value as well, and every peer of the group decodes the very same average.
@@ -973,8 +974,8 @@ class SwarmAverager(AveragerBase):
         """Our own parts of the span we reduce never travel, so they need no code: each becomes what we owe
         there in full (`sent + residual` with error feedback, the pseudo-gradient without), and the residual
         owes nothing for it. `own_parts` are views of `sent`, so the bookkeeping (`sent + residual` = what we
-        owed before packing) stays exact for the rollback and for lost spans. Measured in process: 0.2-0.6
-        points closer to the one process than coding them too (benchmarks/RESULTS.md)."""
+        owed before packing) stays exact for the rollback and for lost spans. Measured: closer to the one
+        process than coding them too in all 15 paired runs, by 0.04-1.25 points (benchmarks/RESULTS.md)."""
         for part in own_parts:
             start, end = part.storage_offset(), part.storage_offset() + part.numel()
             if self.residual_carry is None:
