@@ -118,6 +118,17 @@ def carried(codec, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tens
     return codec.carried(x.contiguous(), None if residual is None else residual.view(-1))
 
 
+def round_lengths(total: int, inner_steps: int, first_rounds: list[int]) -> list[tuple[int, int]]:
+    """(first step, steps) of each round: rounds of `first_rounds` steps first (shorter rounds where a cold start
+    changes fastest), then rounds of `inner_steps`; the last one takes what is left."""
+    rounds, start = [], 0
+    while start < total:
+        steps = first_rounds[len(rounds)] if len(rounds) < len(first_rounds) else inner_steps
+        rounds.append((start, min(steps, total - start)))
+        start += steps
+    return rounds
+
+
 def send_own_span_exactly(exact: dict, sent: dict, residual: dict, span: int, spans: int, feedback: bool) -> None:
     """As a reducer of span `span` (of `spans` equal spans of the flat update) a peer adds its own part there
     uncoded: `sent` gets what it owed there (the exact update, plus its residual with error feedback) and the
@@ -184,8 +195,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
     rounds = [DelayedOuterStep(outer) for outer in outers]
     residuals = [{n: torch.zeros_like(w) for n, w in outers[0].weights.items()} for _ in range(len(peers) + 1)]
     previous = None
-    for start in range(0, args.steps, args.inner_steps):
-        steps, deltas = min(args.inner_steps, args.steps - start), []
+    for round_number, (start, steps) in enumerate(round_lengths(args.steps, args.inner_steps, args.first_rounds)):
+        deltas = []
         for trainer, bookkeeping in zip(peers, rounds):
             for step in range(steps + 1):
                 if previous is not None and step == min(delay, steps):
@@ -202,7 +213,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                      for d, residual in zip(deltas, residuals)]
             if getattr(args, "own", codec.own_part_exact):  # as SwarmAverager, unless the row says otherwise
                 for i, (exact, sent, residual) in enumerate(zip(deltas, coded, residuals)):
-                    send_own_span_exactly(exact, sent, residual, (i + start // args.inner_steps) % len(peers),
+                    send_own_span_exactly(exact, sent, residual, (i + round_number) % len(peers),
                                           len(peers), up in ("ef", "damped-ef"))
             deltas = coded
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
@@ -325,6 +336,17 @@ def delay_steps(timing: str, inner_steps: int) -> int:
     return int(re.fullmatch(r"applied after (\d+) steps", timing).group(1))
 
 
+def step_counts(text: str) -> list[int]:
+    """`N,N,...` of positive step counts (argparse type)."""
+    try:
+        counts = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        counts = [0]
+    if any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError(f"step counts >= 1 separated by commas, got {text!r}")
+    return counts
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of the run every row trains (model, data, peers, schedule, outer step, codec); benchmarks that
     reuse this module's rows take them too."""
@@ -340,6 +362,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outer-lr", type=float, default=DEFAULT_OUTER_LR, help="(default: join's)")
     parser.add_argument("--outer-momentum", type=float, default=DEFAULT_OUTER_MOMENTUM, help="(default: join's)")
     parser.add_argument("--eval-batches", type=int, default=40)
+    parser.add_argument("--first-rounds", default="", type=step_counts,
+                        metavar="N,N,...", help="the in-process rows' first rounds, in steps each (e.g. 25,50,100: "
+                        "shorter rounds where a cold start changes fastest); the rest are --inner-steps long")
     parser.add_argument("--codec", default="sign", choices=sorted(CODECS),
                         help="the codec of the compressed trips, in process and the swarm's (join --codec)")
 
