@@ -43,6 +43,9 @@ class OneBitCodec(CompressionBase):
     """Sign bits packed 8 per byte plus a bf16 mean-|x| scale per `block_size` values (see module docstring)."""
 
     compression_type = ONEBIT_COMPRESSION_TYPE
+    # A reducer averages its own part of its span uncoded (it never travels): a decoded part of this dense code
+    # covers every value and keeps ~0.8 of its length, so an exact one stands beside it as one more honest part.
+    own_part_exact = True
 
     def __init__(self, block_size: int = BLOCK_SIZE):
         if block_size < 8 or block_size & (block_size - 1) or block_size >= 2**31:
@@ -58,13 +61,6 @@ class OneBitCodec(CompressionBase):
     def return_trip(self) -> "OneBitCodec":
         """The codec of a reducer's answer: the same."""
         return self
-
-    @property
-    def own_part_exact(self) -> bool:
-        """Whether a reducer averages its own part of its span uncoded (it never travels). Right for this dense
-        code: a decoded part covers every value and keeps ~0.8 of its length, so an exact one stands beside it
-        in the robust average as one more honest part."""
-        return True
 
     def carried(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What one message carries of `tensor` (+ `residual`, flat fp32, which then keeps what did not fit)."""
@@ -180,6 +176,7 @@ class TopKCodec(CompressionBase):
     """
 
     compression_type = TOPK_COMPRESSION_TYPE
+    own_part_exact = False  # a decoded part keeps a few values a chunk: an exact one would outweigh the others
 
     def __init__(self, k: int = TOPK_UP, return_k: int = TOPK_RETURN, levels: int = TOPK_LEVELS,
                  chunk: int = CHUNK_SIZE):
@@ -199,11 +196,6 @@ class TopKCodec(CompressionBase):
     @property
     def return_trip(self) -> "TopKCodec":
         return TopKCodec(self.return_k, self.return_k, self.levels, self.chunk)
-
-    @property
-    def own_part_exact(self) -> bool:
-        """No: a decoded part keeps a few values of each chunk, so an exact one would outweigh the others'."""
-        return False
 
     def carried(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         flat = tensor.detach().reshape(-1).float()
