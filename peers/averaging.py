@@ -74,7 +74,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Collection, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Optional, Sequence
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -110,10 +110,12 @@ from tscale_p2p.peers.span_agreement import (
     SpanSigner,
     believed,
     bound_key,
+    copy_request,
     digest_message,
     disputed_spans,
     evidence_message,
     outvoted_reducers,
+    recoverable_spans,
     signature_message,
     span_digest,
     verify_span,
@@ -149,6 +151,10 @@ AGREEMENT_SIGMAS = 4.0
 # with a reducer that stalls some groupmates (a two-faced one, banned by some) 5 s here made every round late
 # and cost +45% val loss in benchmarks/swarm_attacks.py.
 SPAN_AGREEMENT_TIMEOUT_S = 1.0
+
+# How long a peer that lost a span waits for a groupmate's signed copy of it (peers/span_agreement.py): a span's
+# reply bytes, as many as its reducer's answer stream, from a peer that holds them in memory.
+SPAN_COPY_TIMEOUT_S = 5.0
 
 # Longest an all-reduce waits for the pair rule the host has just sent (it travels on hivemind's control pipe,
 # which the averager process reads between its tasks): milliseconds normally, seconds on a starved CPU.
@@ -804,8 +810,9 @@ class SwarmAverager(AveragerBase):
             disputed: dict[PeerID, list[tuple[int, int]]] = {}
             try:
                 averaged = [tensor async for tensor in runner]
-                self._evidence_books.keep(group_id, group_info.peer_ids, declarations, runner.signed_copies)
-                disputed = await self._agree_on_spans(runner, group_id)
+                self._evidence_books.keep(group_id, group_info.peer_ids, declarations, runner.signed_copies,
+                                          runner.signed_replies)
+                disputed, recovered = await self._agree_on_spans(runner, group_id, sent)
                 if refused:
                     raise AllreduceException(f"not taking the average of {refused}")
             finally:
@@ -819,7 +826,13 @@ class SwarmAverager(AveragerBase):
             self._digest_inboxes.close(group_id)
         self._outgoing = None
         average = torch.cat([tensor.reshape(-1) for tensor in averaged])
-        lost_spans = [*runner.lost_spans, *(span for spans in disputed.values() for span in spans)]
+        recovered_ranges = set()
+        for index, answers in recovered.items():
+            for (start, end), answer in zip(runner.span_ranges(index), answers):
+                average[start:end] = answer.reshape(-1)
+                recovered_ranges.add((start, end))
+        lost_spans = [*(span for span in runner.lost_spans if span not in recovered_ranges),
+                      *(span for spans in disputed.values() for span in spans)]
         for start, end in lost_spans:
             average[start:end] = 0  # a disputed span falls back as a failed one does
         if self.residual_carry is not None:
@@ -828,10 +841,11 @@ class SwarmAverager(AveragerBase):
             tensor.copy_(part)
 
     async def _agree_on_spans(
-        self, runner: "_OneBitAllReduceRunner", group_id: bytes
-    ) -> dict[PeerID, list[tuple[int, int]]]:
+        self, runner: "_OneBitAllReduceRunner", group_id: bytes, sent: torch.Tensor
+    ) -> tuple[dict[PeerID, list[tuple[int, int]]], dict[int, list[torch.Tensor]]]:
         """Exchange span digests with the groupmates (peers/span_agreement.py); return the spans we took an
-        average of that a groupmate got otherwise (reducer -> its span's [start, end) ranges, to drop), and count
+        average of that a groupmate got otherwise (reducer -> its span's [start, end) ranges, to drop) and the
+        averages of spans we lost but fetched a signed copy of (reducer index -> its parts' averages), and count
         a reducer most of the group refused or got other bytes from among those caught this round."""
         peers, mine = runner.ordered_peer_ids, runner.reply_digests
         others = [peer for peer in peers if peer != runner.peer_id]
@@ -845,17 +859,63 @@ class SwarmAverager(AveragerBase):
         reported = await self._digest_inboxes.wait(group_id, [] if self.client_mode else alive, SPAN_AGREEMENT_TIMEOUT_S)
         self._show_evidence(runner, group_id, reported)
         received = believed(mine, reported)
+        recoverable = recoverable_spans(mine, received, [key is not None for key in runner.reducer_keys])
         dropped = {}
         for index in sorted(disputed_spans(mine, received)):
             if mine[index] in (NO_AVERAGE, REFUSED):
                 continue  # lost here already
-            logger.info("dropping %s's span this round: a groupmate got another average of it", peers[index])
-            dropped[peers[index]] = runner.span_ranges(index)
             self._reputation.disputed.add(peers[index].to_base58())
+            if index not in recoverable:  # (else those that lost it fetch our copy)
+                logger.info("dropping %s's span this round: a groupmate got another average of it", peers[index])
+                dropped[peers[index]] = runner.span_ranges(index)
         voters = {peer: digests for peer, digests in received.items() if peer not in runner.banned}
         for index in outvoted_reducers(peers, runner.peer_id, mine, voters):
             runner.refuse_reducer(peers[index], "an average most of its group refused or got otherwise")
-        return dropped
+        recovered = {}
+        for index, digest in recoverable.items():
+            if mine[index] in (NO_AVERAGE, REFUSED):
+                holders = [peer for peer, digests in received.items() if digests[index] == digest
+                           and runner.modes[peers.index(peer)] != AveragingMode.CLIENT]  # (it takes no calls)
+                answers = await self._fetch_signed_copy(runner, group_id, index, digest, holders, sent)
+                if answers is not None:
+                    recovered[index] = answers
+        return dropped, recovered
+
+    async def _fetch_signed_copy(self, runner: "_OneBitAllReduceRunner", group_id: bytes, index: int, digest: bytes,
+                                 holders: Sequence[PeerID], sent: torch.Tensor) -> Optional[list[torch.Tensor]]:
+        """The averages of reducer `index`'s span from the first of `holders` whose copy its reducer signed and
+        that passes our checks of a reducer's answer; None where none does in time. The reducer is asked last:
+        it may be the one that denied us its answer."""
+        reducer = runner.ordered_peer_ids[index]
+        for holder in sorted(holders, key=lambda peer: peer == reducer):
+            try:
+                buffers, signature = await asyncio.wait_for(
+                    self._read_signed_copy(holder, group_id, index, len(runner.span_ranges(index))),
+                    SPAN_COPY_TIMEOUT_S)
+                if span_digest(buffers) != digest or not verify_span(
+                        runner.reducer_keys[index], group_id, index, digest, signature):
+                    raise InvalidContributionError("not the average its reducer signed")
+                answers = await asyncio.get_running_loop().run_in_executor(
+                    None, runner.relayed_span, index, buffers, sent)
+            except Exception as e:  # noqa: BLE001  (a groupmate's bytes, or it left: try the next one)
+                logger.info("no copy of %s's span from %s: %r", reducer, holder, e)
+                continue
+            logger.info("took %s's span from %s's signed copy", reducer, holder)
+            return answers
+        return None
+
+    async def _read_signed_copy(self, holder: PeerID, group_id: bytes, index: int,
+                                parts: int) -> tuple[list[bytes], bytes]:
+        """A groupmate's copy of a span (`EvidenceBooks.relayed`): its parts' reply bytes and the signature after."""
+        stub = type(self).get_stub(self.p2p, holder, namespace=self.prefix)
+        buffers, signature = [], b""
+        async for message in await stub.rpc_span_copy(copy_request(group_id, index)):
+            self._traffic[_RECEIVED] += message.ByteSize()
+            if len(buffers) == parts:
+                signature = message.tensor_part.buffer
+                break
+            buffers.append(message.tensor_part.buffer)
+        return buffers, signature
 
     def _show_evidence(self, runner: "_OneBitAllReduceRunner", group_id: bytes,
                        reported: dict[PeerID, Sequence[bytes]]) -> None:
@@ -877,6 +937,14 @@ class SwarmAverager(AveragerBase):
             await getattr(stub, rpc)(message, timeout=SPAN_AGREEMENT_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  (it left, or is slow: it then falls back on what it saw)
             logger.debug("could not send %s to %s: %r", rpc, peer, e)
+
+    async def rpc_span_copy(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Our signed copy of a span a groupmate lost (peers/span_agreement.py), part by part, then its signature."""
+        for message in self._evidence_books.relayed(context.remote_id, request):
+            self._traffic[_SENT] += message.ByteSize()
+            yield message
 
     async def rpc_span_evidence(
         self, request: averaging_pb2.AveragingData, context: P2PContext
@@ -1141,6 +1209,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         self.reply_digests: list[bytes] = [NO_AVERAGE] * len(self.ordered_peer_ids)
         # per reducer index: (digest, signature) of the bytes it sent us with a valid signature, taken or refused
         self.signed_copies: dict[int, tuple[bytes, bytes]] = {}
+        # per reducer index: the reply bytes (part by part) of the signed averages we took, to relay to groupmates
+        self.signed_replies: dict[int, list[bytes]] = {}
         self._signature: Optional[asyncio.Future] = None  # ours, of our span's digest
         # where each reducer's parts lie in the flat vector (taken now: the container forgets its parts when done)
         self._span_ranges = [
@@ -1219,11 +1289,15 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
     async def _signature_message(self) -> averaging_pb2.AveragingData:
         """The message after a sender's last answer: our signature of the span's digest, made once (empty bytes
         without a span key). Every part's answer exists by then: the sender got them all."""
-        if self._signature is None:
-            self._signature = asyncio.ensure_future(self._sign_span())
-        message = signature_message(await asyncio.shield(self._signature))
+        message = signature_message(await self._span_signature())
         self.traffic[_SENT] += message.ByteSize()
         return message
+
+    def _span_signature(self) -> Awaitable[bytes]:
+        """Our signature of our span's digest, made once for every sender (shielded, as `_reply_slot`)."""
+        if self._signature is None:
+            self._signature = asyncio.ensure_future(self._sign_span())
+        return asyncio.shield(self._signature)
 
     async def _sign_span(self) -> bytes:
         replies = [await asyncio.shield(self._reply_slot(i)) for i in range(self.tensor_part_reducer.num_parts)]
@@ -1342,7 +1416,10 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             message, decoded = await asyncio.shield(self._reply_for(part_index, averaged))
             buffers.append(message.buffer)
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
-        self.reply_digests[peer_index] = span_digest(buffers)
+        digest = self.reply_digests[peer_index] = span_digest(buffers)
+        if self.signer is not None:
+            self.signed_copies[peer_index] = (digest, await self._span_signature())
+            self.signed_replies[peer_index] = buffers
 
     async def _exchange_with_reducer(self, peer_id: PeerID, peer_index: int) -> None:
         loop = asyncio.get_running_loop()
@@ -1356,7 +1433,6 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         expected = self.tensor_part_container.num_parts_by_peer[peer_index]
         answers, buffers, signature = [], [], None  # the decoded averages, the bytes they came in, its signature
         refusal: Optional[InvalidContributionError] = None
-        agreement, sent_squared, answer_squared, span = 0.0, 0.0, 0.0, 0  # their dot product with what we sent
         try:
             async for message in aiter_with_timeout(stream, self.reducer_timeout):
                 self.traffic[_RECEIVED] += message.ByteSize()
@@ -1379,11 +1455,6 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
                 except InvalidContributionError as e:
                     refusal = e
                     continue
-                sent = sent_parts[part_index]
-                agreement += float(averaged.reshape(-1) @ sent.reshape(-1))
-                sent_squared += float(sent.norm()) ** 2
-                answer_squared += float(averaged.norm()) ** 2
-                span += sent.numel()
                 answers.append(averaged)
             digest, key = span_digest(buffers), self.reducer_keys[peer_index]
             if signature is not None and verify_span(key, self.group_id, peer_index, digest, signature):
@@ -1400,16 +1471,46 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             raise refusal
         if len(answers) != expected:
             raise AllreduceException(f"{peer_id} answered {len(answers)} parts instead of all")
-        noise = AGREEMENT_SIGMAS * math.sqrt(sent_squared * answer_squared / max(span, 1))
-        if agreement < -noise and self.weight >= self.median_tokens / 2:
-            # Over the whole span (a part can be a few values, whose dot product is noise): an honest aggregate
-            # has our share in it, and independent updates are nearly orthogonal in high dimension. No strike
-            # against the reducer: a peer whose global weights are out of step with the group's (until its
-            # resync) can send an update the group's average points away from.
+        if self._points_away(answers, sent_parts):
+            # No strike against the reducer: a peer whose global weights are out of step with the group's (until
+            # its resync) can send an update the group's average points away from.
             raise AllreduceException(f"{peer_id}'s average points away from our part of its span")
         for part_index, averaged in enumerate(answers):  # only now: a span refused above is lost as a whole
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
         self.reply_digests[peer_index] = digest
+        if peer_index in self.signed_copies:
+            self.signed_replies[peer_index] = buffers
+
+    def _points_away(self, answers: Sequence[torch.Tensor], sent_parts: Sequence[torch.Tensor]) -> bool:
+        """Whether a span's averages point away from our parts of it, over the whole span (a part can be a few
+        values, whose dot product is noise): an honest aggregate has our share in it, and independent updates are
+        nearly orthogonal in high dimension."""
+        agreement = sum(float(a.reshape(-1) @ s.reshape(-1)) for a, s in zip(answers, sent_parts))
+        sent_squared = sum(float(s.norm()) ** 2 for s in sent_parts)
+        answer_squared = sum(float(a.norm()) ** 2 for a in answers)
+        span = sum(s.numel() for s in sent_parts)
+        noise = AGREEMENT_SIGMAS * math.sqrt(sent_squared * answer_squared / max(span, 1))
+        return agreement < -noise and self.weight >= self.median_tokens / 2
+
+    def relayed_span(self, peer_index: int, buffers: Sequence[bytes], sent: torch.Tensor) -> list[torch.Tensor]:
+        """The averages in a groupmate's copy of reducer `peer_index`'s span (`buffers`, its signature checked by
+        the caller), checked as that reducer's own answers would be; `sent` is our flat pseudo-gradient as sent.
+        Raises InvalidContributionError where they fail."""
+        ranges = self.span_ranges(peer_index)
+        if len(buffers) != len(ranges):
+            raise InvalidContributionError(f"{len(buffers)} parts instead of {len(ranges)}")
+        codec = self.codec.return_trip
+        ours = [sent[start:end] for start, end in ranges]
+        answers = []
+        for buffer, part, floor in zip(buffers, ours, reference_norms(ours)):
+            message = runtime_pb2.Tensor(buffer=buffer, size=list(part.shape), dtype="float32",
+                                         compression=codec.compression_type)
+            averaged = _decode_part(codec, message, part.shape)
+            self._check_reply_norm(averaged, floor)
+            answers.append(averaged)
+        if self._points_away(answers, ours):
+            raise InvalidContributionError("its averages point away from our parts of the span")
+        return answers
 
     def _check_reply_norm(self, averaged: torch.Tensor, reference: float) -> None:
         """Refuse an average that cannot be the robust aggregate of a group that includes our part: one longer

@@ -29,6 +29,13 @@ reducer at once (`EvidenceBooks`). Nobody can forge another peer's signature, so
 and evidence costs no bytes without a dispute. The two signed digests are a `Proof` anyone can check, so the
 peers that caught a liar show it to each groupmate they meet later, once each, and those ban it too. A liar can still deny a groupmate a valid signature (or any
 answer): that peer refuses the span, which proves nothing to the others, and the rules above apply.
+
+**Signed copies travel.** Where some groupmates lost a signed span (no average, or one they refused) and all
+those that took it got the same bytes, nobody drops it: those that took it keep it, and the others fetch a copy
+from one of them (`copy_request`, `EvidenceBooks.relayed`), check its reducer's signature and take it as that
+reducer's own answer. A reducer that denies one groupmate a valid answer then costs the group nothing, nor does a
+groupmate claiming it refused a span, and a peer whose reducer timed out stays in step. Without span keys a copy
+could be forged by whoever relays it, so unsigned spans are dropped as before.
 """
 
 from __future__ import annotations
@@ -180,6 +187,26 @@ def believed(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]) ->
     return kept
 
 
+def recoverable_spans(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]],
+                      signed: Sequence[bool]) -> dict[int, bytes]:
+    """Spans (reducer indices -> digest) that some of us lost while everyone that took an average of it got the
+    same bytes, where the reducer signs its span (`signed`): kept by those that took it, fetched by the others.
+    `theirs`: believed vectors."""
+    vectors = [mine, *theirs.values()]
+    recoverable = {}
+    for index, is_signed in enumerate(signed):
+        taken = {digests[index] for digests in vectors} - {NO_AVERAGE, REFUSED}
+        if is_signed and len(taken) == 1 and any(digests[index] in (NO_AVERAGE, REFUSED) for digests in vectors):
+            recoverable[index] = taken.pop()
+    return recoverable
+
+
+def copy_request(group_id: bytes, index: int) -> averaging_pb2.AveragingData:
+    """A request for a groupmate's signed copy of reducer `index`'s span average in group `group_id`."""
+    return averaging_pb2.AveragingData(group_id=group_id, tensor_part=runtime_pb2.Tensor(
+        buffer=index.to_bytes(2, "little"), size=[2], dtype="uint8"))
+
+
 def disputed_spans(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]) -> set[int]:
     """The spans (reducer indices) to drop: those where a groupmate's (believed) digests differ from ours."""
     return {i for digests in theirs.values() for i, (a, b) in enumerate(zip(mine, digests)) if a != b}
@@ -302,20 +329,33 @@ class _Book:
     peers: tuple
     declarations: tuple  # each reducer's declared span key (remote data: see `bound_key`)
     copies: dict  # reducer index -> (digest, signature) we hold, its signature checked
+    replies: dict  # reducer index -> the reply bytes of the signed averages we took, part by part
 
 
 class EvidenceBooks:
-    """The signed copies of a few recent groups' spans, to check groupmates' evidence against (it may arrive
-    after our all-reduce has ended)."""
+    """The signed copies of a few recent groups' spans, to check groupmates' evidence against and to relay to
+    groupmates that lost them (either may be asked after our all-reduce has ended)."""
 
     def __init__(self) -> None:
         self._books: dict[bytes, _Book] = {}
 
     def keep(self, group_id: bytes, peers: Sequence[PeerID], declarations: Sequence[Any],
-             copies: Mapping[int, tuple[bytes, bytes]]) -> None:
+             copies: Mapping[int, tuple[bytes, bytes]], replies: Mapping[int, Sequence[bytes]]) -> None:
         while len(self._books) >= MAX_PENDING_GROUPS:
             self._books.pop(next(iter(self._books)))
-        self._books[group_id] = _Book(tuple(peers), tuple(declarations), dict(copies))
+        self._books[group_id] = _Book(tuple(peers), tuple(declarations), dict(copies), dict(replies))
+
+    def relayed(self, sender: PeerID, request: averaging_pb2.AveragingData) -> list[averaging_pb2.AveragingData]:
+        """Our signed copy of the span `sender` asks for (`copy_request`): its reply bytes part by part, then its
+        reducer's signature; nothing where `sender` was not in that group or we took no signed average of it."""
+        book = self._books.get(request.group_id)
+        buffer = request.tensor_part.buffer
+        index = int.from_bytes(buffer, "little") if len(buffer) == 2 else None
+        if book is None or sender not in book.peers or index not in book.replies:
+            return []
+        parts = [averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor(buffer=reply))
+                 for reply in book.replies[index]]
+        return [*parts, signature_message(book.copies[index][1])]
 
     def equivocators(self, sender: PeerID, message: averaging_pb2.AveragingData) -> list[Proof]:
         """Proofs against the reducers that `sender`'s evidence shows signed another digest of their span than

@@ -128,13 +128,13 @@ class DisputingPeer(SwarmAverager):
     async def _refused_pair(self, group_info) -> None:
         return None  # an attacker takes any pair
 
-    async def _agree_on_spans(self, runner, group_id):
+    async def _agree_on_spans(self, runner, group_id, sent):
         disputed = self.disputed(len(runner.reply_digests))
         forged = [b"\xff" * DIGEST_BYTES if i in disputed else d for i, d in enumerate(runner.reply_digests)]
         for peer in runner.ordered_peer_ids:
             if peer != runner.peer_id:
                 await self._send_digests(peer, digest_message(group_id, forged))
-        return {}
+        return {}, {}
 
 
 DisputingPeer.__name__ = "SwarmAverager"

@@ -20,11 +20,13 @@ from tscale_p2p.peers.span_agreement import (
     SpanSigner,
     believed,
     bound_key,
+    copy_request,
     digest_message,
     disputed_spans,
     evidence_message,
     outvoted_reducers,
     read_digests,
+    recoverable_spans,
     span_digest,
     verify_span,
 )
@@ -48,6 +50,37 @@ def test_a_span_is_dropped_when_a_groupmate_differs_on_it_alone():
     assert disputed_spans(mine, {PEERS[1]: vector(1, 2, 3, 4)}) == set()
     assert disputed_spans(mine, {PEERS[1]: vector(1, 0, 3, 4), PEERS[2]: vector(1, 2, 3, 4)}) == {1}
     assert disputed_spans(mine, {PEERS[1]: vector(1, 0, 3, 4), PEERS[2]: vector(1, 2, 9, 4)}) == {1, 2}
+
+
+def test_a_signed_span_some_lost_is_kept_when_everyone_that_took_it_got_the_same_bytes():
+    """Lost (0) or refused (-1) by some, one digest among those that took it, signed: kept, and fetched by the
+    rest. Two different digests, nobody missing it, or no signature: not recoverable (dropped as before)."""
+    signed = [True] * 4
+    mine = vector(1, 2, 3, 4)
+    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, -1, 4), PEERS[2]: vector(1, 2, 3, 4)}, signed) == {
+        2: span_digest([bytes([3])])}
+    assert recoverable_spans(vector(1, 0, 3, 4), {PEERS[1]: vector(1, 2, 3, 4)}, signed) == {
+        1: span_digest([bytes([2])])}
+    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, -1, 4), PEERS[2]: vector(1, 2, 9, 4)}, signed) == {}
+    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, 3, 4)}, signed) == {}
+    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, -1, 4)}, [True, True, False, True]) == {}
+    assert recoverable_spans(vector(1, 2, 0, 4), {PEERS[1]: vector(1, 2, -1, 4)}, signed) == {}  # nobody took it
+
+
+def test_a_signed_copy_is_relayed_only_to_a_groupmate_and_only_where_we_took_it():
+    key, reducer = signer()
+    truth = span_digest([b"part 1", b"part 2"])
+    signature = key.sign(b"g", 2, truth)
+    books = EvidenceBooks()
+    books.keep(b"g", [PEERS[0], PEERS[1], reducer], [None, None, key.declaration], {2: (truth, signature)},
+               {2: [b"part 1", b"part 2"]})
+    relayed = books.relayed(PEERS[1], copy_request(b"g", 2))
+    assert [m.tensor_part.buffer for m in relayed] == [b"part 1", b"part 2", signature]
+    assert books.relayed(PEERS[3], copy_request(b"g", 2)) == []  # not in the group
+    assert books.relayed(PEERS[1], copy_request(b"g", 1)) == []  # not a span we hold
+    assert books.relayed(PEERS[1], copy_request(b"other", 2)) == []
+    garbage = averaging_pb2.AveragingData(group_id=b"g", tensor_part=runtime_pb2.Tensor(buffer=b"\x02\x00\x00"))
+    assert books.relayed(PEERS[1], garbage) == []
 
 
 def test_a_groupmate_differing_on_several_spans_is_not_believed():
@@ -134,7 +167,8 @@ def test_evidence_proves_a_reducer_that_signed_two_averages_and_frames_no_honest
     peers = [PEERS[0], forger, liar]
     truth, lie = span_digest([b"truth"]), span_digest([b"lie"])
     books = EvidenceBooks()
-    books.keep(b"g", peers, [None, forger_key.declaration, key.declaration], {2: (truth, key.sign(b"g", 2, truth))})
+    books.keep(b"g", peers, [None, forger_key.declaration, key.declaration], {2: (truth, key.sign(b"g", 2, truth))},
+               {})
     proofs = books.equivocators(forger, evidence_message(b"g", {2: (lie, key.sign(b"g", 2, lie))}))
     assert [proof.liar() for proof in proofs] == [liar.to_base58()]
     assert Proof.read(proofs[0].message()).liar() == liar.to_base58()  # anyone can check it
@@ -150,7 +184,8 @@ def test_malformed_evidence_is_ignored():
     key, liar = signer()
     books = EvidenceBooks()
     truth = span_digest([b"truth"])
-    books.keep(b"g", [PEERS[0], PEERS[1], liar], [None, None, key.declaration], {2: (truth, key.sign(b"g", 2, truth))})
+    books.keep(b"g", [PEERS[0], PEERS[1], liar], [None, None, key.declaration], {2: (truth, key.sign(b"g", 2, truth))},
+               {})
     for buffer in (b"\xc1garbage", b"\x90", b"\x91\x93\x07\xa0\xa0", b"x" * 10**6):
         message = averaging_pb2.AveragingData(group_id=b"g", tensor_part=runtime_pb2.Tensor(buffer=buffer))
         assert books.equivocators(PEERS[1], message) == []
