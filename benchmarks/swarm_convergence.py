@@ -218,7 +218,11 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
             deltas = coded
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
         if down != "exact":
-            previous = {n: carried(codec.return_trip, m, residuals[-1][n] if down == "ef" else None)
+            reducer_carry = 1.0 if down == "ef" else getattr(args, "reducer_carry", None)
+            if reducer_carry is not None:  # one residual for the whole model: as if each span kept its reducer
+                for tensor in residuals[-1].values():
+                    tensor.mul_(reducer_carry)
+            previous = {n: carried(codec.return_trip, m, residuals[-1][n] if reducer_carry is not None else None)
                         for n, m in previous.items()}
         if on_round is not None and on_round(start + steps, copy.deepcopy(outers[0]).step(previous)):
             break
@@ -308,7 +312,8 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 
 
 def trip_spec(spec: str) -> tuple[str, str, dict]:
-    """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]`:
+    """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]`
+    (rcarry: a reducer residual on the return trip, damped by X each round):
     (row label, TRIPS key, overrides)."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
@@ -321,7 +326,7 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
         elif field == "own":  # own=0: each reducer codes its own part too, as SwarmAverager once did
             overrides["own"] = bool(int(value))
         else:
-            overrides[{"carry": "carry", "momentum": "outer_momentum"}[field]] = float(value)
+            overrides[{"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry"}[field]] = float(value)
     label = ", ".join([name, *(f"{k} {v}" for k, v in overrides.items())])
     return label, averaging, overrides
 
