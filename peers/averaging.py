@@ -621,11 +621,13 @@ class SwarmAverager(AveragerBase):
                 residual.copy_(state[name])
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None,
-                              prefer: Optional[tuple[int, str]] = None):
+                              prefer: Optional[tuple[int, str]] = None, prefer_donors: Collection[str] = ()):
         """hivemind's, checked (`state_check`); with `prefer`, the state of that (round, fingerprint) whenever some
-        peer offers it, whatever most offers say (peers/state_download.py)."""
+        peer offers it, whatever most offers say, or the later one most of `prefer_donors` (the peers that declared
+        it, base58) offer (peers/state_download.py)."""
         future = MPFuture()
-        self.run_in_averager_process("download_state", future=future, timeout=timeout, prefer=prefer)
+        self.run_in_averager_process("download_state", future=future, timeout=timeout, prefer=prefer,
+                                     prefer_donors=frozenset(prefer_donors))
         return future.result(timeout=timeout) if wait else future
 
     def banned_peers(self) -> dict[str, str]:
@@ -755,12 +757,12 @@ class SwarmAverager(AveragerBase):
             yield response
 
     async def download_state(self, future: MPFuture, timeout: Optional[float] = None,
-                             prefer: Optional[tuple[int, str]] = None):
+                             prefer: Optional[tuple[int, str]] = None, prefer_donors: frozenset = frozenset()):
         keep_tasks_until_done(asyncio.get_running_loop())  # a joining peer's first call, before any step
         if self._state_check is None:
             return await super().download_state(future, timeout=timeout)
         try:
-            future.set_result(await download_checked_state(self, self._state_check, prefer))
+            future.set_result(await download_checked_state(self, self._state_check, prefer, prefer_donors))
         except BaseException as error:
             if not future.done():
                 future.set_exception(error)

@@ -8,11 +8,13 @@ newcomer. A downloader (`download_checked_state`, run in the averager's process)
 1. takes the base (round, fingerprint) that most offers of this run announce, ties going to the lower round
    (a liar claims a high one), or the base the caller prefers when some peer offers it (a peer out of step with
    its group wants the group's base: offers are refreshed every few seconds, so right after a round one offer
-   of the old base and one of the new tie, and the tie went to the old one, round after round), and downloads
-   only from peers that announce it, one after another, the most recently refreshed offer first (the likeliest
-   to be still current); peers it has banned (peers/reputation.py)
-   are neither counted nor asked, and when none of a base's peers answers (they left: an offer outlives its peer
-   by up to OFFER_TTL_S), their offers stop counting and the base is taken again from the others;
+   of the old base and one of the new tie, and the tie went to the old one, round after round), or, once the
+   groupmates that declared that base offer a later one, the later base most of them offer (they applied the
+   round before we asked: three peers on three different weights chased each other's stale offers so), and
+   downloads only from peers that announce it, one after another, the most recently refreshed offer first (the
+   likeliest to be still current); peers it has banned (peers/reputation.py) are neither counted nor asked,
+   and when none of a base's peers answers (they left: an offer outlives its peer by up to OFFER_TTL_S), their
+   offers stop counting and the base is taken again from the others;
 2. refuses a tensor whose declared shape, dtype, encoding or size is not the run's before buffering it, so a
    peer cannot make it hold gigabytes; and
 3. accepts a state only if its metadata is well-formed (`StateMetadata`: a "round" of "abc" no longer crashes
@@ -30,7 +32,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import pydantic
 import torch
@@ -79,6 +81,14 @@ def majority_base(offers: Sequence[StateOffer]) -> tuple[int, str] | None:
     if not counts:
         return None
     return min(counts, key=lambda base: (-counts[base], base[0], base[1]))
+
+
+def successor_base(offers: Sequence[StateOffer], after_round: int) -> tuple[int, str] | None:
+    """The base later than `after_round` that more than half of `offers` announce, or None."""
+    later = majority_base([offer for offer in offers if offer.round > after_round])
+    if later is None or 2 * sum((offer.round, offer.weights) == later for offer in offers) <= len(offers):
+        return None
+    return later
 
 
 @dataclass(frozen=True)
@@ -165,16 +175,21 @@ class _NoState(Exception):
 
 
 async def download_checked_state(
-    averager, check: StateCheck, prefer: tuple[int, str] | None = None
+    averager, check: StateCheck, prefer: tuple[int, str] | None = None, prefer_donors: Collection[str] = ()
 ) -> tuple[dict, list[torch.Tensor]] | None:
     """Download the state most peers of the run offer (or `prefer`, a (round, fingerprint), if some peer offers
-    it), from one of them, checked (see the module's docstring); None if no peer sends an acceptable one. Runs
-    in the averager's process: `averager` is a SwarmAverager (its DHT, p2p and RPC stub)."""
+    it, else the later base most of `prefer_donors`, the peers that declared it, offer), from one of them,
+    checked (see the module's docstring); None if no peer sends an acceptable one. Runs in the averager's
+    process: `averager` is a SwarmAverager (its DHT, p2p and RPC stub)."""
     gone: set[str] = set()  # donors that did not answer: their offers no longer count
     while True:
         offers = {peer: entry.value for peer, entry in _offers(averager, check).items() if peer not in gone}
         offered = {(offer.round, offer.weights) for offer in offers.values()}
-        base = prefer if prefer in offered else majority_base(list(offers.values()))
+        base = prefer if prefer in offered else None
+        if base is None and prefer is not None:
+            base = successor_base([offer for peer, offer in offers.items() if peer in prefer_donors], prefer[0])
+        if base is None:
+            base = majority_base(list(offers.values()))
         if base is None:
             log.info("no peer offers the swarm's state")
             return None

@@ -93,7 +93,7 @@ class RoundAverager(Protocol):
                     pair_partners: Optional[Collection[str]] = None) -> PendingAverage: ...
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None,
-                              prefer: Optional[Base] = None): ...
+                              prefer: Optional[Base] = None, prefer_donors: Collection[str] = ()): ...
 
     def banned_peers(self) -> dict[str, str]: ...
 
@@ -434,7 +434,9 @@ class SwarmPeer:
         self._forget_banned()
         consensus = self._group_consensus(outcome) if outcome.averaged is not None else None
         if consensus is not None and consensus != flight.base:
-            self._resync(flight, consensus, average)
+            declarers = {peer for peer, metadata in zip(outcome.group_peers, outcome.group_metadata)
+                         if declared_base(metadata) == consensus} - self.averager.caught_peers()
+            self._resync(flight, consensus, declarers, average)
 
     def _pair_partners(self) -> frozenset[str] | None:
         """Whom this round averages with in a group of two (`RoundSchedule.pair_partners`)."""
@@ -456,9 +458,10 @@ class SwarmPeer:
         return group_consensus([metadata for peer, metadata in zip(outcome.group_peers, outcome.group_metadata)
                                 if peer not in caught])
 
-    def _resync(self, flight: _InFlight, consensus: Base, average: dict) -> None:
-        """Our round was formed on other global weights than most of the group's: download the swarm's state,
-        bring it to where the group is after this round's average, and keep our local progress on top."""
+    def _resync(self, flight: _InFlight, consensus: Base, declarers: set[str], average: dict) -> None:
+        """Our round was formed on other global weights than most of the group's (`consensus`, declared by
+        `declarers`): download the swarm's state, bring it to where the group is after this round's average, and
+        keep our local progress on top."""
         log.warning(
             "round %d: our global weights (round %d, %s) differ from the group's (round %d, %s); downloading the "
             "swarm's state", flight.number, *flight.base, *consensus,
@@ -466,7 +469,8 @@ class SwarmPeer:
         if not self.averager.client_mode:
             self.averager.state_sharing_priority = -1.0  # nobody should download our state meanwhile
         try:
-            state = self.averager.load_state_from_peers(wait=True, timeout=RESYNC_TIMEOUT_S, prefer=consensus)
+            state = self.averager.load_state_from_peers(wait=True, timeout=RESYNC_TIMEOUT_S, prefer=consensus,
+                                                        prefer_donors=declarers)
         except Exception as error:  # a timeout, or the averager shutting down: try again next round
             log.debug("state download failed: %r", error)
             state = None

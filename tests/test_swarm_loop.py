@@ -103,7 +103,7 @@ class ScriptedAverager:
         self.pair_partners.append(pair_partners)
         return self.rounds(len(self.started), pseudo_gradient, metadata)
 
-    def load_state_from_peers(self, wait=True, timeout=None, prefer=None):
+    def load_state_from_peers(self, wait=True, timeout=None, prefer=None, prefer_donors=()):
         self.downloads += 1
         return self.donor() if self.donor else None
 

@@ -235,6 +235,36 @@ def test_a_peer_resyncing_to_its_groups_base_downloads_it_from_a_tie(nodes):
 
 
 @pytest.mark.timeout(120)
+def test_a_peer_resyncing_takes_the_later_state_its_groups_declarers_moved_on_to(nodes):
+    """The groupmate that declared the group's base applied the round before we asked, and now offers the next
+    state: a resync takes that (it chased stale offers round after round otherwise), but only where most of the
+    base's declarers offer it, and never from a peer that did not declare the group's base."""
+    old_node, new_node, joiner_node = nodes("old"), nodes("new"), nodes("joiner")
+    old_weights = [w * 2 for w in honest_weights()]
+    old = Donor(old_node, lambda: state(old_weights, 5))
+    new = Donor(new_node, lambda: state(honest_weights(), 7))
+    check = StateCheck(RUN, config().hash, tuple(SHAPES))
+    joiner = SwarmAverager([torch.zeros(1)], joiner_node, prefix=f"{RUN}_grad", client_mode=True, state_check=check)
+    group_base = (6, "0" * 12)  # what `new` declared in our group; it offers round 7 by now
+    try:
+        old.offer(5, fingerprint(old_weights))
+        new.offer(7, fingerprint(honest_weights()))
+
+        def resync(*declarers: Donor) -> dict:
+            return joiner.load_state_from_peers(wait=True, timeout=60, prefer=group_base, prefer_donors=[
+                str(donor.dht.peer_id) for donor in declarers])[0]
+
+        metadata = resync(new)
+        assert metadata["donor"] == str(new_node.peer_id) and metadata["round"] == 7
+        assert resync(old)["round"] == 5  # `old` offers no later state: the tie's lower round, as without
+        assert resync(old, new)["round"] == 5  # one of two declarers is no majority for the later state
+        assert resync()["round"] == 5
+    finally:
+        for averager in (joiner, old.averager, new.averager):
+            averager.shutdown()
+
+
+@pytest.mark.timeout(120)
 def test_a_state_a_round_newer_than_the_offers_is_taken_once_they_announce_it(nodes):
     """Donors that apply a round while a peer downloads send the next round's state before their offers say so
     (they re-announce right after the round): it is taken once most offers announce it, within moments; a
