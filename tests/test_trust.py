@@ -4,6 +4,7 @@ states, fake progress records."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -208,30 +209,38 @@ def test_the_offer_of_a_peer_that_left_does_not_keep_a_joiner_from_the_live_stat
             averager.shutdown()
 
 
+@contextlib.contextmanager
+def old_and_new_offers(nodes, new_round: int):
+    """(old, new, joiner): `old` offers other weights at round 5, `new` the honest weights at `new_round`, and a
+    joiner downloads; one offer each is a tie, which goes to the lower round."""
+    old_weights = [w * 2 for w in honest_weights()]
+    old = Donor(nodes("old"), lambda: state(old_weights, 5))
+    new = Donor(nodes("new"), lambda: state(honest_weights(), new_round))
+    check = StateCheck(RUN, config().hash, tuple(SHAPES))
+    joiner = SwarmAverager([torch.zeros(1)], nodes("joiner"), prefix=f"{RUN}_grad", client_mode=True,
+                           state_check=check)
+    try:
+        old.offer(5, fingerprint(old_weights))
+        new.offer(new_round, fingerprint(honest_weights()))
+        yield old, new, joiner
+    finally:
+        for averager in (joiner, old.averager, new.averager):
+            averager.shutdown()
+
+
 @pytest.mark.timeout(120)
 def test_a_peer_resyncing_to_its_groups_base_downloads_it_from_a_tie(nodes):
     """Right after a round one peer may still offer the old base while another offers the new one: a tie, which
     goes to the lower round. A peer out of step with its group asks for the group's base (`prefer`) and gets it
     (it used to download the old base, find it was not the group's, and stay out of step round after round)."""
-    old_node, new_node, joiner_node = nodes("old"), nodes("new"), nodes("joiner")
-    old_weights = [w * 2 for w in honest_weights()]
-    old = Donor(old_node, lambda: state(old_weights, 5))
-    new = Donor(new_node, lambda: state(honest_weights(), 6))
-    check = StateCheck(RUN, config().hash, tuple(SHAPES))
-    joiner = SwarmAverager([torch.zeros(1)], joiner_node, prefix=f"{RUN}_grad", client_mode=True, state_check=check)
-    group_base = (6, fingerprint(honest_weights()))
-    try:
-        old.offer(5, fingerprint(old_weights))
-        new.offer(*group_base)
+    with old_and_new_offers(nodes, 6) as (old, new, joiner):
+        group_base = (6, fingerprint(honest_weights()))
         assert joiner.load_state_from_peers(wait=True, timeout=60)[0]["round"] == 5  # the tie's lower round
         metadata, tensors = joiner.load_state_from_peers(wait=True, timeout=60, prefer=group_base)
-        assert metadata["donor"] == str(new_node.peer_id) and metadata["round"] == 6
+        assert metadata["donor"] == str(new.dht.peer_id) and metadata["round"] == 6
         assert all(torch.equal(t, w) for t, w in zip(tensors, honest_weights()))
         # a preferred base that nobody offers changes nothing: a liar's group cannot name a state of its own
         assert joiner.load_state_from_peers(wait=True, timeout=60, prefer=(7, "0" * 12))[0]["round"] == 5
-    finally:
-        for averager in (joiner, old.averager, new.averager):
-            averager.shutdown()
 
 
 @pytest.mark.timeout(120)
@@ -239,29 +248,18 @@ def test_a_peer_resyncing_takes_the_later_state_its_groups_declarers_moved_on_to
     """The groupmate that declared the group's base applied the round before we asked, and now offers the next
     state: a resync takes that (it chased stale offers round after round otherwise), but only where most of the
     base's declarers offer it, and never from a peer that did not declare the group's base."""
-    old_node, new_node, joiner_node = nodes("old"), nodes("new"), nodes("joiner")
-    old_weights = [w * 2 for w in honest_weights()]
-    old = Donor(old_node, lambda: state(old_weights, 5))
-    new = Donor(new_node, lambda: state(honest_weights(), 7))
-    check = StateCheck(RUN, config().hash, tuple(SHAPES))
-    joiner = SwarmAverager([torch.zeros(1)], joiner_node, prefix=f"{RUN}_grad", client_mode=True, state_check=check)
-    group_base = (6, "0" * 12)  # what `new` declared in our group; it offers round 7 by now
-    try:
-        old.offer(5, fingerprint(old_weights))
-        new.offer(7, fingerprint(honest_weights()))
+    with old_and_new_offers(nodes, 7) as (old, new, joiner):
+        group_base = (6, "0" * 12)  # what `new` declared in our group; it offers round 7 by now
 
         def resync(*declarers: Donor) -> dict:
             return joiner.load_state_from_peers(wait=True, timeout=60, prefer=group_base, prefer_donors=[
                 str(donor.dht.peer_id) for donor in declarers])[0]
 
         metadata = resync(new)
-        assert metadata["donor"] == str(new_node.peer_id) and metadata["round"] == 7
+        assert metadata["donor"] == str(new.dht.peer_id) and metadata["round"] == 7
         assert resync(old)["round"] == 5  # `old` offers no later state: the tie's lower round, as without
         assert resync(old, new)["round"] == 5  # one of two declarers is no majority for the later state
         assert resync()["round"] == 5
-    finally:
-        for averager in (joiner, old.averager, new.averager):
-            averager.shutdown()
 
 
 @pytest.mark.timeout(120)
