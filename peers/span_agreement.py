@@ -330,6 +330,7 @@ class _Book:
     declarations: tuple  # each reducer's declared span key (remote data: see `bound_key`)
     copies: dict  # reducer index -> (digest, signature) we hold, its signature checked
     replies: dict  # reducer index -> the reply bytes of the signed averages we took, part by part
+    relayed: set = field(default_factory=set)  # (peer, reducer index) copies sent: each groupmate gets each once
 
 
 class EvidenceBooks:
@@ -347,12 +348,14 @@ class EvidenceBooks:
 
     def relayed(self, sender: PeerID, request: averaging_pb2.AveragingData) -> list[averaging_pb2.AveragingData]:
         """Our signed copy of the span `sender` asks for (`copy_request`): its reply bytes part by part, then its
-        reducer's signature; nothing where `sender` was not in that group or we took no signed average of it."""
+        reducer's signature; nothing where `sender` was not in that group, we took no signed average of it, or
+        we sent it that copy already (asking again and again would make us upload spans for nothing)."""
         book = self._books.get(request.group_id)
         buffer = request.tensor_part.buffer
         index = int.from_bytes(buffer, "little") if len(buffer) == 2 else None
-        if book is None or sender not in book.peers or index not in book.replies:
+        if book is None or sender not in book.peers or index not in book.replies or (sender, index) in book.relayed:
             return []
+        book.relayed.add((sender, index))
         parts = [averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor(buffer=reply))
                  for reply in book.replies[index]]
         return [*parts, signature_message(book.copies[index][1])]

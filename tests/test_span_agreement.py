@@ -76,6 +76,8 @@ def test_a_signed_copy_is_relayed_only_to_a_groupmate_and_only_where_we_took_it(
                {2: [b"part 1", b"part 2"]})
     relayed = books.relayed(PEERS[1], copy_request(b"g", 2))
     assert [m.tensor_part.buffer for m in relayed] == [b"part 1", b"part 2", signature]
+    assert books.relayed(PEERS[1], copy_request(b"g", 2)) == []  # once: asking again uploads nothing more
+    assert len(books.relayed(PEERS[0], copy_request(b"g", 2))) == 3
     assert books.relayed(PEERS[3], copy_request(b"g", 2)) == []  # not in the group
     assert books.relayed(PEERS[1], copy_request(b"g", 1)) == []  # not a span we hold
     assert books.relayed(PEERS[1], copy_request(b"other", 2)) == []
