@@ -169,6 +169,8 @@ VARIANTS = {
     "no-ef-sync": ("1-bit both ways, no error feedback", "synchronous", "1-bit both ways, no error feedback"),
 }
 
+# --apply-after-trips: a row's numeric settings -> the argument they override
+TRIP_FIELDS = {"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry"}
 # --apply-after-trips: key -> (row label, TRIPS key)
 APPLY_AFTER_TRIPS = {
     "exact": ("exact mean", "exact"),
@@ -314,21 +316,38 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 def trip_spec(spec: str) -> tuple[str, str, dict]:
     """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]`
     (rcarry: a reducer residual on the return trip, damped by X each round):
-    (row label, TRIPS key, overrides)."""
+    (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
+    if key not in APPLY_AFTER_TRIPS or (codec and codec not in CODECS):
+        raise ValueError(f"{spec!r}: KEY[@CODEC] with KEY one of {', '.join(APPLY_AFTER_TRIPS)} and CODEC one of "
+                         f"{', '.join(CODECS)}")
     name, averaging = APPLY_AFTER_TRIPS[key]
     overrides = {"codec": codec} if codec else {}
     for option in options:
         field, _, value = option.partition("=")
-        if field in ("k", "return_k", "levels"):  # TopKCodec's
-            overrides.setdefault("codec_options", {})[field] = int(value)
-        elif field == "own":  # own=0: each reducer codes its own part too, as SwarmAverager once did
-            overrides["own"] = bool(int(value))
-        else:
-            overrides[{"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry"}[field]] = float(value)
+        try:
+            if field in ("k", "return_k", "levels"):  # TopKCodec's
+                overrides.setdefault("codec_options", {})[field] = int(value)
+            elif field == "own":  # own=0: each reducer codes its own part too, as SwarmAverager once did
+                overrides["own"] = bool(int(value))
+            else:
+                overrides[TRIP_FIELDS[field]] = float(value)
+        except (KeyError, ValueError):
+            raise ValueError(f"{spec!r}: {option!r} is not one of k=, return_k=, levels=, own=0|1, "
+                             f"{'=, '.join(TRIP_FIELDS)}= with a number") from None
     label = ", ".join([name, *(f"{k} {v}" for k, v in overrides.items())])
     return label, averaging, overrides
+
+
+def trip_specs(text: str) -> str:
+    """--apply-after-trips, each entry checked (argparse type)."""
+    try:
+        for spec in filter(None, text.split(",")):
+            trip_spec(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def delay_steps(timing: str, inner_steps: int) -> int:
@@ -397,7 +416,7 @@ def main() -> None:
     parser.add_argument("--apply-after", default="", help="comma-separated step counts: in-process rows "
                         "(see --apply-after-trips and --apply-after-lrs) that apply each average that many steps into the next round, "
                         "as the swarm does when an average arrives mid-round")
-    parser.add_argument("--apply-after-trips", default="exact,swarm",
+    parser.add_argument("--apply-after-trips", default="exact,swarm", type=trip_specs,
                         help=f"the --apply-after rows' averaging, comma-separated: {', '.join(APPLY_AFTER_TRIPS)}; each may "
                         "name its own codec and settings, e.g. swarm@topk;carry=0.9;momentum=0")
     parser.add_argument("--apply-after-lrs", default="", help="comma-separated outer lrs of the --apply-after rows "
