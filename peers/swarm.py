@@ -432,10 +432,8 @@ class SwarmPeer:
             self._averaged_with.update(peer for peer, metadata in zip(outcome.group_peers, outcome.group_metadata)
                                        if declared_base(metadata) == flight.base)
         self._forget_banned()
-        consensus = self._group_consensus(outcome) if outcome.averaged is not None else None
+        consensus, declarers = self._group_consensus(outcome) if outcome.averaged is not None else (None, set())
         if consensus is not None and consensus != flight.base:
-            declarers = {peer for peer, metadata in zip(outcome.group_peers, outcome.group_metadata)
-                         if declared_base(metadata) == consensus} - self.averager.caught_peers()
             self._resync(flight, consensus, declarers, average)
 
     def _pair_partners(self) -> frozenset[str] | None:
@@ -449,14 +447,16 @@ class SwarmPeer:
         if self.averager.banned_count:
             self.clock.leave_out(self.averager.banned_peers())
 
-    def _group_consensus(self, outcome: RoundOutcome) -> Base | None:
-        """The base most of the group declared, peers this one has caught (rejected in some round, or banned)
-        left out: their parts or answers were refused, and their votes must not pull this peer onto weights
-        they may have poisoned (in a tie of two against two, they did: an attacker paired with an honest peer
-        in the swarm's first round outvoted the others' clean weights)."""
+    def _group_consensus(self, outcome: RoundOutcome) -> tuple[Base | None, set[str]]:
+        """The base most of the group declared, and the peers that declared it, peers this one has caught
+        (rejected in some round, or banned) left out: their parts or answers were refused, and their votes must
+        not pull this peer onto weights they may have poisoned (in a tie of two against two, they did: an
+        attacker paired with an honest peer in the swarm's first round outvoted the others' clean weights)."""
         caught = self.averager.caught_peers()
-        return group_consensus([metadata for peer, metadata in zip(outcome.group_peers, outcome.group_metadata)
-                                if peer not in caught])
+        voters = [(peer, metadata) for peer, metadata in zip(outcome.group_peers, outcome.group_metadata)
+                  if peer not in caught]
+        consensus = group_consensus([metadata for _, metadata in voters])
+        return consensus, {peer for peer, metadata in voters if declared_base(metadata) == consensus}
 
     def _resync(self, flight: _InFlight, consensus: Base, declarers: set[str], average: dict) -> None:
         """Our round was formed on other global weights than most of the group's (`consensus`, declared by
