@@ -727,9 +727,10 @@ class SwarmAverager(AveragerBase):
         other = next(peer for peer in group_info.peer_ids if peer != self.peer_id)
         if partners is None or other.to_base58() in partners:
             return None
-        logger.info("not averaging in a pair with %s, a peer not averaged with yet, while three or more peers "
-                    "train: looking for a larger group", other)
-        return f"a pair with {other}, a peer not averaged with yet, while three or more peers train"
+        why = "a peer not averaged with yet, or one caught or disputed"
+        logger.info("not averaging in a pair with %s, %s, while three or more peers train: looking for a larger "
+                    "group", other, why)
+        return f"a pair with {other}, {why}, while three or more peers train"
 
     async def _banned_peers(self, future: MPFuture) -> None:
         future.set_result(dict(self._reputation.banned))
