@@ -20,7 +20,7 @@ import torch
 
 from tscale_p2p.kernels.onebit import pack, unpack
 from tscale_p2p.peers.averaging import SwarmAverager, keep_tasks_until_done
-from tscale_p2p.peers.codec import BLOCK_SIZE, OneBitCodec, TopKCodec
+from tscale_p2p.peers.codec import BLOCK_SIZE, E8Codec, OneBitCodec, TopKCodec
 from tscale_p2p.peers.records import IdentityKey
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
@@ -120,7 +120,8 @@ def run_round(averagers, grads, tokens):
 
 # TopKCodec's chunks are 4096 values: parts of 4096 (512 bytes at hivemind's 1/32 estimate), 8 values kept a chunk
 # on the way out (4 levels) and 24 on the way back, so three senders' picks mostly fit and the trip is still lossy
-CODEC_CASES = {"sign": (lambda: OneBitCodec(), 256), "topk": (lambda: TopKCodec(k=8, return_k=24), 512)}
+CODEC_CASES = {"sign": (lambda: OneBitCodec(), 256), "e8": (lambda: E8Codec(), 256),
+               "topk": (lambda: TopKCodec(k=8, return_k=24), 512)}
 
 
 @pytest.mark.parametrize("codec_name", sorted(CODEC_CASES))
@@ -188,23 +189,24 @@ def test_a_client_mode_peer_contributes_and_gets_the_same_average():
 class NaNScales(OneBitCodec):
     """Sends (and answers with) a NaN scale."""
 
-    def _message(self, signs, scales, like):
-        return super()._message(signs, torch.full_like(scales, float("nan")), like)
+    def _encode(self, x):
+        signs, scales = super()._encode(x)
+        return signs, torch.full_like(scales, float("nan"))
 
 
 class WrongShape(OneBitCodec):
     """Sends (and answers with) well-formed parts that have one value too many."""
 
-    def _message(self, signs, scales, like):
-        longer = torch.zeros(like.numel() + 1)
-        return super()._message(*pack(longer, self.block_size), longer)
+    def compress(self, tensor, info, allow_inplace=False):
+        return super().compress(torch.zeros(tensor.numel() + 1), info)
 
 
 class HugeNorm(OneBitCodec):
     """Sends (and answers with) well-formed, finite parts a million times larger than anyone else's."""
 
-    def _message(self, signs, scales, like):
-        return super()._message(signs, scales * 1e6, like)
+    def _encode(self, x):
+        signs, scales = super()._encode(x)
+        return signs, scales * 1e6
 
 
 def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
