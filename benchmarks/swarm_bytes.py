@@ -44,6 +44,7 @@ from tscale_p2p.kernels.onebit import pack, unpack
 from tscale_p2p.model import ModelConfig, Transformer
 from tscale_p2p.peers.codec import BLOCK_SIZE, CODECS, OneBitCodec, TopKCodec
 from tscale_p2p.peers.hivemind_seam import parts_sent_to
+from tscale_p2p.peers.settings import DEFAULT_CODEC
 from tscale_p2p.peers.span_agreement import SIGNATURE_BYTES, signature_message
 
 HIVEMIND_PART_SIZE_BYTES = 2**19  # hivemind's default
@@ -232,11 +233,11 @@ def main() -> None:
     live_parser.add_argument("--dims", default="e256h4d8w256", help="model dims (default: 6.4M parameters)")
     live_parser.add_argument("--peers", type=int, default=2)
     live_parser.add_argument("--rounds", type=int, default=2)
-    live_parser.add_argument("--codec", choices=sorted(CODECS), default="sign")
+    live_parser.add_argument("--codec", choices=sorted(CODECS), default=DEFAULT_CODEC)
     groups_parser = sub.add_parser("groups", help="our codec's bits per trip and per round at several group sizes")
     groups_parser.add_argument("--dims", nargs="+", default=["e128h4d4w256", "e768h12d12w1024"])
     groups_parser.add_argument("--peers", nargs="+", type=int, default=[2, 3, 4, 8, 16])
-    groups_parser.add_argument("--codec", choices=sorted(CODECS), default="sign")
+    groups_parser.add_argument("--codec", choices=sorted(CODECS), default=DEFAULT_CODEC)
     blocks_parser = sub.add_parser("blocks", help="error vs block size on a real pseudo-gradient")
     blocks_parser.add_argument("--data", required=True, help="a text file (e.g. tinyshakespeare.txt)")
     args = parser.parse_args()

@@ -250,7 +250,7 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], b
         "--warmup", str(args.warmup), *(["--init-from", args.start_state] if args.start_state else []),
         "--inner-steps", str(args.inner_steps), "--outer-lr", str(args.outer_lr),
         "--outer-momentum", str(args.outer_momentum), "--eval-batches", str(args.eval_batches),
-        "--min-peers", str(args.peers), "--error-feedback", args.error_feedback,
+        "--min-peers", str(args.peers), "--error-feedback", args.error_feedback, "--codec", args.codec,
     ]
     logs = [work / f"peer{i}.log" for i in range(args.peers)]
     processes = [bootstrap]
