@@ -51,7 +51,7 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.codec import CODECS
 from tscale_p2p.peers.join import initial_weights
-from tscale_p2p.peers.settings import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, ERROR_FEEDBACK_CARRY
+from tscale_p2p.peers.settings import DEFAULT_CODEC, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, ERROR_FEEDBACK_CARRY
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
 from tscale_p2p.trainer import Trainer
@@ -389,7 +389,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-rounds", default="", type=step_counts,
                         metavar="N,N,...", help="the in-process rows' first rounds, in steps each (e.g. 25,50,100: "
                         "shorter rounds where a cold start changes fastest); the rest are --inner-steps long")
-    parser.add_argument("--codec", default="sign", choices=sorted(CODECS),
+    parser.add_argument("--codec", default=DEFAULT_CODEC, choices=sorted(CODECS),
                         help="the codec of the compressed trips, in process and the swarm's (join --codec)")
 
 

@@ -27,7 +27,9 @@ ERROR_FEEDBACK_CARRY = {"off": None, "damped": 0.5, "full": 1.0}
 # --error-feedback left out: per codec. A top-k message carries a few percent of the values, so without full
 # feedback most of an update would never be sent.
 DEFAULT_ERROR_FEEDBACK = {"sign": "damped", "e8": "damped", "topk": "full"}
-DEFAULT_CODEC = "sign"
+# E8 words take the sign code's bytes and lose less: ahead in 14 of 15 paired runs in process, from a run in progress
+# and cold (benchmarks/RESULTS.md, "Swarm codecs").
+DEFAULT_CODEC = "e8"
 
 
 @dataclass(config=SECTION_CONFIG)
