@@ -150,7 +150,7 @@ class OneBitCodec(CompressionBase):
 E8_COMPRESSION_TYPE = 66
 E8_COMPRESSION_NAME = "E8_WORDS"
 _WORD = 8  # values per word
-_SEARCH_ROWS = 8192  # words matched at a time: bounds the (rows x 256) table of inner products to 8 MiB
+_SLICE_VALUES = 2**17  # values coded at a time: temporaries of a few MiB, few enough calls that their overhead is small
 
 
 class E8Codec(OneBitCodec):
@@ -186,14 +186,14 @@ class E8Codec(OneBitCodec):
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat, block = x.reshape(-1).float(), self.block_size
         full = flat.numel() // block
-        rotated = _walsh_hadamard(flat[: full * block].view(full, block) * _rotation_signs(block, flat.device))
-        vectors = rotated.reshape(-1, _WORD)
-        words = torch.empty(vectors.shape[0], dtype=torch.uint8, device=flat.device)
-        fit = torch.empty(vectors.shape[0], device=flat.device)
-        table = _E8_WORDS.to(flat.device)
-        for start in range(0, vectors.shape[0], _SEARCH_ROWS):
-            best, index = (vectors[start : start + _SEARCH_ROWS] @ table.T).max(dim=1)
-            fit[start : start + _SEARCH_ROWS], words[start : start + _SEARCH_ROWS] = best, index.to(torch.uint8)
+        words = torch.empty(full * block // _WORD, dtype=torch.uint8, device=flat.device)
+        fit = torch.empty(full * block // _WORD, device=flat.device)
+        signs = _rotation_signs(block, flat.device)
+        for first, last in self._slices(full):  # a slice at a time: its temporaries stay in cache
+            rotated = walsh_hadamard(flat[first * block : last * block].view(-1, block) * signs)
+            best, index = _nearest_words(rotated.view(-1, _WORD))
+            fit[first * block // _WORD : last * block // _WORD] = best
+            words[first * block // _WORD : last * block // _WORD] = index
         # The least-squares gain of a block's unit words (their mean fit), stored as the rms of its values.
         scales = (fit.view(full, block // _WORD).mean(dim=1) * _WORD**-0.5).to(torch.bfloat16)
         tail = flat[full * block :]
@@ -205,14 +205,21 @@ class E8Codec(OneBitCodec):
     def _decode(self, payload: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         block = self.block_size
         full, device = numel // block, payload.device
-        words = payload[: full * block // _WORD].long()
+        values = torch.empty(numel, device=device)
         gains = scales[:full].float() * _WORD**0.5
-        rotated = (gains[:, None, None] * _E8_WORDS.to(device)[words].view(full, block // _WORD, _WORD)).view(full, block)
-        values = _walsh_hadamard(rotated) * _rotation_signs(block, device)
-        if numel == full * block:
-            return values.reshape(-1)
-        tail = unpack(payload[full * block // _WORD :], scales[full:], numel - full * block, block)
-        return torch.cat([values.reshape(-1), tail.to(device)])
+        signs, table = _rotation_signs(block, device), _E8_WORDS.to(device)
+        for first, last in self._slices(full):
+            picked = table[payload[first * block // _WORD : last * block // _WORD].long()].view(last - first, -1)
+            values[first * block : last * block] = (walsh_hadamard(gains[first:last, None] * picked) * signs).view(-1)
+        tail = numel - full * block
+        if tail:
+            values[full * block :] = unpack(payload[full * block // _WORD :], scales[full:], tail, block)
+        return values
+
+    def _slices(self, blocks: int) -> list[tuple[int, int]]:
+        """(first, last) block of each slice of about _SLICE_VALUES values."""
+        step = max(1, _SLICE_VALUES // self.block_size)
+        return [(first, min(first + step, blocks)) for first in range(0, blocks, step)]
 
 
 def _e8_words() -> torch.Tensor:
@@ -234,6 +241,31 @@ def _e8_words() -> torch.Tensor:
 
 
 _E8_WORDS = _e8_words()
+_PAIR_RANK = torch.zeros(_WORD, _WORD, dtype=torch.long)  # position of the pair {i, j} in `_e8_words`' first part
+for _rank, (_i, _j) in enumerate(itertools.combinations(range(_WORD), 2)):
+    _PAIR_RANK[_i, _j] = _PAIR_RANK[_j, _i] = _rank
+_BIT = 2 ** torch.arange(_WORD)
+
+
+def _nearest_words(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(largest inner product, index in `_E8_WORDS`) of each row of `vectors` (rows of 8), from the words' shape
+    rather than 256 inner products each (3-5x faster): the best root takes the two largest |v| with their signs,
+    the best half vector every sign (flipping the smallest |v| where that leaves an odd count of minus signs),
+    the best axis the largest |v|."""
+    device = vectors.device
+    magnitude, negative = vectors.abs(), (vectors < 0).long()
+    first, i = magnitude.max(dim=1)
+    second, j = magnitude.scatter(1, i[:, None], -1.0).max(dim=1)
+    smallest, k = magnitude.min(dim=1)
+    odd = negative.sum(dim=1) & 1
+    minus = (negative * _BIT.to(device)).sum(dim=1) ^ (odd << k)
+    i_negative, j_negative = negative.gather(1, i[:, None])[:, 0], negative.gather(1, j[:, None])[:, 0]
+    signs = torch.where(i < j, 2 * i_negative + j_negative, 2 * j_negative + i_negative)
+    root, half, axis = (first + second) * 0.5**0.5, (magnitude.sum(dim=1) - 2 * odd * smallest) * _WORD**-0.5, first
+    best = torch.maximum(torch.maximum(root, half), axis)
+    index = torch.where(best == root, 4 * _PAIR_RANK.to(device)[i, j] + signs,
+                        torch.where(best == half, 112 + (minus >> 1), 240 + 2 * i + i_negative))
+    return best, index
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,7 +279,7 @@ def _rotation_signs(block: int, device: torch.device) -> torch.Tensor:
     return _rotation_signs_cpu(block).to(device)
 
 
-def _walsh_hadamard(rows: torch.Tensor) -> torch.Tensor:
+def walsh_hadamard(rows: torch.Tensor) -> torch.Tensor:
     """The orthonormal Walsh-Hadamard transform of each row (its length a power of two), its own inverse. By
     butterflies rather than a matrix product: sums in a fixed order give the same bits on every machine."""
     count, length = rows.shape

@@ -45,6 +45,17 @@ def reference_e8(x: torch.Tensor, block: int = BLOCK_SIZE) -> torch.Tensor:
     return torch.cat(out).view(x.shape)
 
 
+def test_the_words_are_found_by_their_shape_as_a_search_of_all_256_would():
+    from tscale_p2p.peers.codec import _E8_WORDS, _nearest_words
+
+    torch.manual_seed(4)
+    vectors = torch.cat([torch.randn(20000, 8), torch.randn(20000, 8) ** 3, torch.zeros(1, 8)])
+    fit, index = _nearest_words(vectors)
+    assert sorted(map(tuple, _E8_WORDS.tolist())) == sorted(map(tuple, reference_words().tolist()))
+    torch.testing.assert_close(fit, (vectors @ reference_words().T).max(dim=1).values, rtol=0, atol=1e-5)
+    torch.testing.assert_close((vectors * _E8_WORDS[index]).sum(dim=1), fit, rtol=0, atol=1e-5)  # its own word
+
+
 def through_hivemind(x: torch.Tensor) -> tuple[torch.Tensor, runtime_pb2.Tensor]:
     wire = serialize_torch_tensor(x, E8_COMPRESSION_TYPE).SerializeToString()
     message = runtime_pb2.Tensor()
