@@ -2,13 +2,13 @@
 
 One round, seen from a peer (all of it in the averager's child process; packing overlaps matchmaking):
 
-1. **Send, with error feedback.** The peer packs `pseudo_gradient + residual` to signs and block scales
-   (`OneBitCodec`) and keeps in `residual` what did not fit; the residual lives in shared memory so it
+1. **Send, with error feedback.** The peer packs `pseudo_gradient + residual` with its codec (peers/codec.py: E8
+   words or signs, and block scales) and keeps in `residual` what did not fit; the residual lives in shared memory so it
    survives from round to round across the process boundary. With `residual_carry < 1` only that share of
    it is carried into the next round (a damped residual: see the parameter).
 2. **Reduce, robustly.** hivemind's butterfly all-reduce makes each peer the reducer of one span; its own part there
-   never travels, so with the sign code it is taken exactly. A reducer decodes every contribution and drops the
-   sender for the round if it is not a well-formed 1-bit tensor of the expected shape, is not finite, carries a
+   never travels, so with a dense code (E8 words, signs) it is taken exactly. A reducer decodes every contribution
+   and drops the sender for the round if it is not a well-formed message of the expected shape, is not finite, carries a
    non-positive weight, or has a norm above `max_norm_ratio` times the reducer's own part (times the sender's tokens
    over ours, at most `TOKEN_ALLOWANCE_CAP`). What is left is not averaged but aggregated robustly (peers/robust.py:
    CenteredClip, token weights capped at the group's median, contributions opposed to most others', far from the
@@ -348,8 +348,9 @@ class SwarmAverager(AveragerBase):
     :param target_group_size: None (default) puts the whole swarm in one group: hivemind marks splitting into
       groups as incorrect for this use, so only set it when it is at least the swarm size (a round's
       `group_size` overrides it for that round)
-    :param codec: the codec of both trips (peers/codec.py: `OneBitCodec`, the default, or `TopKCodec`); its
-      settings travel on the wire, and a part in any other format or with other settings is refused
+    :param codec: the codec of both trips (peers/codec.py: `OneBitCodec`, the default here, `E8Codec`, join's
+      default, or `TopKCodec`); its settings travel on the wire, and a part in any other format or with other
+      settings is refused
     :param max_norm_ratio: a contribution whose part norm exceeds this multiple of the reducer's own is dropped
       (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`, where it trained on more)
     :param residual_carry: sender error feedback: the share of what this peer's 1-bit message could not carry
@@ -396,7 +397,7 @@ class SwarmAverager(AveragerBase):
             raise ValueError("auxiliary averagers are not supported: every peer contributes a pseudo-gradient")
         self.codec = codec or OneBitCodec()
         if not isinstance(self.codec, (OneBitCodec, TopKCodec)):
-            raise TypeError(f"codec must be a OneBitCodec or a TopKCodec, got {type(self.codec).__name__}")
+            raise TypeError(f"codec must be a OneBitCodec (or E8Codec) or a TopKCodec, got {type(self.codec).__name__}")
         part_size_bytes = kwargs.pop("part_size_bytes", 2**17)
         if (part_size_bytes * 8) % self.codec.unit:  # parts must hold whole blocks or chunks (see OneBitCodec)
             raise ValueError(f"part_size_bytes={part_size_bytes} does not hold a whole number of codec units")
