@@ -89,8 +89,10 @@ def corrupt(message: runtime_pb2.Tensor, **fields) -> runtime_pb2.Tensor:
     return bad
 
 
-def malformed_variants() -> dict[str, runtime_pb2.Tensor]:
-    good = OneBitCodec().compress(torch.randn(1000), info=None)
+def malformed_variants(codec: OneBitCodec = OneBitCodec()) -> dict[str, runtime_pb2.Tensor]:
+    """Messages of a 1000-value tensor broken in each way a peer could break one (for `codec`'s layout: a block
+    size header, then bf16 scales; E8Codec shares it)."""
+    good = codec.compress(torch.randn(1000), info=None)
     buffer = good.buffer
 
     def first_scale(value: float) -> bytes:
