@@ -166,11 +166,11 @@ def check_triton_against_torch(numel: int, block: int) -> None:
 
 
 def test_triton_pack_without_residual_matches_pack():
-    x = torch.randn(3000)
+    x = torch.randn(3000, device=DEVICE)  # a CPU tensor only under TRITON_INTERPRET=1: a GPU kernel needs it on the GPU
     signs, scales = error_feedback_pack_triton(x, None, 256)
-    reference_signs, reference_scales = pack(x, 256)
-    assert torch.equal(signs, reference_signs)
-    torch.testing.assert_close(scales.float(), reference_scales.float(), rtol=2**-7, atol=0)
+    reference_signs, reference_scales = pack(x.cpu(), 256)  # the torch path
+    assert torch.equal(signs.cpu(), reference_signs)
+    torch.testing.assert_close(scales.float().cpu(), reference_scales.float(), rtol=2**-7, atol=0)
 
 
 def test_bad_block_sizes_and_residuals_are_refused():
