@@ -73,6 +73,13 @@ def test_round_trip_through_hivemind_is_the_nearest_words_rotated_back(numel):
     assert E8Codec().norm(message) == pytest.approx(float(decoded.norm()), rel=1e-4)
 
 
+def test_other_float_dtypes_come_back_in_their_dtype():
+    x = torch.randn(700).to(torch.bfloat16)
+    decoded, _ = through_hivemind(x)
+    assert decoded.dtype == torch.bfloat16
+    torch.testing.assert_close(decoded.float(), reference_e8(x.float()), rtol=1e-2, atol=1e-2)
+
+
 def test_it_takes_the_sign_codes_bytes_and_loses_less():
     torch.manual_seed(0)
     x = torch.randn(2**16) * torch.linspace(0.1, 3.0, 2**16)  # uneven magnitudes, as across layers
