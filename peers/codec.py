@@ -240,10 +240,17 @@ def _e8_words() -> torch.Tensor:
     return (torch.tensor(words, dtype=torch.float64) / 2**0.5).float()  # every word had length sqrt(2)
 
 
+def _pair_ranks() -> torch.Tensor:
+    """Where the roots on coordinates {i, j} start in `_e8_words` (in fours, one per pair of signs), i, j < 8."""
+    ranks = torch.zeros(_WORD, _WORD, dtype=torch.long)
+    for rank, (i, j) in enumerate(itertools.combinations(range(_WORD), 2)):
+        ranks[i, j] = ranks[j, i] = 4 * rank
+    return ranks
+
+
 _E8_WORDS = _e8_words()
-_PAIR_RANK = torch.zeros(_WORD, _WORD, dtype=torch.long)  # position of the pair {i, j} in `_e8_words`' first part
-for _rank, (_i, _j) in enumerate(itertools.combinations(range(_WORD), 2)):
-    _PAIR_RANK[_i, _j] = _PAIR_RANK[_j, _i] = _rank
+_ROOTS, _HALVES = 112, 128  # the first 112 words are roots, the next 128 half vectors, the last 16 axes
+_PAIR_RANK = _pair_ranks()
 _BIT = 2 ** torch.arange(_WORD)
 
 
@@ -263,8 +270,9 @@ def _nearest_words(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     signs = torch.where(i < j, 2 * i_negative + j_negative, 2 * j_negative + i_negative)
     root, half, axis = (first + second) * 0.5**0.5, (magnitude.sum(dim=1) - 2 * odd * smallest) * _WORD**-0.5, first
     best = torch.maximum(torch.maximum(root, half), axis)
-    index = torch.where(best == root, 4 * _PAIR_RANK.to(device)[i, j] + signs,
-                        torch.where(best == half, 112 + (minus >> 1), 240 + 2 * i + i_negative))
+    # A half vector's minus signs, as bits, have even parity: halving them ranks them among the 128 (minus >> 1).
+    index = torch.where(best == root, _PAIR_RANK.to(device)[i, j] + signs,
+                        torch.where(best == half, _ROOTS + (minus >> 1), _ROOTS + _HALVES + 2 * i + i_negative))
     return best, index
 
 
