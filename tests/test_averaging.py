@@ -243,6 +243,23 @@ def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
     torch.testing.assert_close(owed[reduced & ~own], 0.5 * (mine - sent)[reduced & ~own], rtol=0, atol=1e-9)
 
 
+def test_a_peer_on_another_codec_is_dropped_as_sender_and_as_reducer():
+    """E8 words and signs take the same bytes: a sign-coded part must not pass for E8 words (or the reverse)."""
+    grads, tokens = [random_grads(seed) for seed in range(3)], [1000.0, 1000.0, 1000.0]
+    with swarm([E8Codec(), E8Codec(), OneBitCodec()], part_size_bytes=64) as averagers:
+        pending = [a.start_round(g, tokens=t) for a, g, t in zip(averagers, grads, tokens)]
+        first, second = [p.result(timeout=40) for p in pending[:2]]
+    for outcome in (first, second):
+        assert outcome.error is None and outcome.group_size == 3 and outcome.dropped_peers == 1
+    for a, b in zip(first.averaged, second.averaged):
+        assert torch.equal(a, b)
+    got = torch.cat([t.view(-1) for t in first.averaged])
+    want = torch.cat([t.view(-1) for t in expected_first_round(grads[:2], tokens[:2], first.averaged, E8Codec())])
+    reduced = got != 0  # the sign peer's span: its answer refused, so zero
+    assert 0.4 < float(reduced.float().mean()) < 0.9
+    assert float((got[reduced] - want[reduced]).norm() / want[reduced].norm()) < 1e-2
+
+
 def test_a_peer_with_far_fewer_tokens_keeps_the_groups_average():
     """Just after a state download a peer may be a few steps into its round while the others are at its end:
     its pseudo-gradient is ~200x smaller. Norm bounds scale with tokens, so nobody is dropped."""
