@@ -18,12 +18,11 @@ averager's child process, so the residuals live in `SwarmAverager` (peers/averag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import functools
 import hashlib
 import itertools
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
