@@ -33,9 +33,10 @@ strikes ban), and leaves out some more that an honest peer may send now and then
   takes longer steps); a 90x or -10x update is 10x and more.
 - **colluding:** two contributions much closer to each other than peers that train independently ever are
   (independent updates in high dimension are all about equally far apart; a pair that shifts the result
-  together, as "A Little Is Enough" does, sends one vector, or two near it), as long as they are a minority of
-  the group (most peers close together and one apart is an honest group with an outlier). Small contributions
-  (late joiners, near zero and so near one another) are never flagged: they cannot shift the result.
+  together, as "A Little Is Enough" does, sends one vector, or two near it), as long as the peers with such a
+  twin are a minority of the group (most peers close together and one apart is an honest group with an outlier;
+  most peers in close pairs, one whose updates hardly differ). Small contributions (late joiners, near zero and
+  so near one another) are never flagged: they cannot shift the result.
 """
 
 from __future__ import annotations
@@ -222,8 +223,11 @@ def _colluding(parts: torch.Tensor, gram: torch.Tensor, aggregate: torch.Tensor)
     close.fill_diagonal_(False)
     close[small] = False
     close[:, small] = False
-    # Only a minority cluster is suspect: most peers close together and one further out is an honest group with
-    # an outlier (a peer out of step, say), which looks the same from inside.
-    cluster = 1 + close.sum(dim=1)
-    suspect = close.any(dim=1) & (2 * cluster < parts.shape[0])
+    # Closeness is suspect only where it is rare. Most peers close together and one further out is an honest group
+    # with an outlier (a peer out of step, say); most peers in close pairs are an honest group whose updates
+    # hardly differ (16 peers trained on one repeated sentence flagged most of one another so, and banned ten of
+    # them within seven rounds): neither is collusion.
+    suspect = close.any(dim=1)
+    if 2 * int(suspect.sum()) >= parts.shape[0]:
+        return frozenset()
     return frozenset(int(i) for i in torch.nonzero(suspect).flatten())
