@@ -29,6 +29,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -39,11 +40,17 @@ RESYNC = re.compile(r"round (\d+): our global weights .* differ from the group's
 TRIP = re.compile(r"round (\d+): averaged with \d+ peer\(s\)[^\n]* in ([\d.]+) s, sent [\d.]+ KiB \(([\d.]+) bits a value\)")
 
 
-def corpus(path: Path) -> Path:
-    """A small text file: the default data (the stdlib's sources) takes a while to index on a loaded machine."""
-    words = "the swarm trains one model together while every peer keeps its own data and pace ".split()
-    text = " ".join(words[(i * 7919) % len(words)] for i in range(200_000))
-    path.write_text(text)
+def corpus(path: Path, size: int = 1 << 20) -> Path:
+    """A small text file: the first `size` bytes of the standard library's sources (sorted by path). The whole
+    of them, `join`'s default data, takes a while to index on a loaded machine; a text of one repeated sentence
+    is learnt to a loss of 0.05 within a few rounds, after which the peers' updates hardly differ, as no real
+    swarm's do."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    with open(path, "wb") as sink:
+        for source in sorted(root.glob("*.py")):
+            sink.write(source.read_bytes()[: size - sink.tell()])
+            if sink.tell() >= size:
+                break
     return path
 
 
