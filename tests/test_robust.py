@@ -23,10 +23,14 @@ from attacks import (
     alie,
 )
 from tscale_p2p.cli import main
+from tscale_p2p.config import TrainConfig
+from tscale_p2p.data import load_corpus
+from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.averaging import SwarmAverager
-from tscale_p2p.peers.codec import OneBitCodec
+from tscale_p2p.peers.codec import E8Codec, OneBitCodec
 from tscale_p2p.peers.reputation import PeerReputation
 from tscale_p2p.peers.robust import centered_clip, coordinate_median, robust_aggregate
+from tscale_p2p.trainer import Trainer
 
 D = 8192
 
@@ -165,6 +169,27 @@ def test_a_group_of_honest_peers_in_close_pairs_flags_nobody():
     twins = [common + torch.randn(D, generator=generator) for _ in range(8)]
     parts = torch.stack([onebit(twin + 0.05 * torch.randn(D, generator=generator)) for twin in twins for _ in (0, 1)])
     assert not robust_aggregate(parts, torch.full((16,), 1000.0)).flagged
+
+
+def test_honest_peers_first_round_updates_are_never_taken_for_colluders(text_file):
+    """11 peers train a small model 20 steps from the same weights, each on its own draws of the data, and a
+    reducer aggregates each tensor (hivemind's parts) as E8 words: nobody is flagged. (The norms' gains move
+    alike on every peer, and their 64-value parts, coded, coincided between honest peers.)"""
+    corpus = load_corpus(str(text_file))
+    model = ModelConfig.from_dims("e64h2d2w128", vocab_size=corpus.vocab_size)
+    start, updates = None, []
+    for peer in range(11):
+        cfg = TrainConfig(data=str(text_file), device="cpu", batch_size=8, eval_every=0, save_every=0, seed=peer)
+        trainer = Trainer(model, cfg, corpus, torch.device("cpu"))
+        start = start or trainer.snapshot()
+        trainer.apply_outer_update(start)
+        for _ in range(20):
+            trainer.local_step()
+        updates.append({name: start[name] - weights for name, weights in trainer.snapshot().items()})
+    codec = E8Codec()
+    for name in start:
+        parts = torch.stack([codec.carried(update[name].reshape(-1)) for update in updates])
+        assert not robust_aggregate(parts, torch.full((11,), 1000.0)).flagged, name
 
 
 def test_late_joiners_small_updates_are_not_mistaken_for_attacks():
