@@ -231,7 +231,7 @@ def _colluding(parts: torch.Tensor, gram: torch.Tensor, aggregate: torch.Tensor)
     close[:, small] = False
     # Closeness is suspect only where it is rare. Most peers close together and one further out is an honest group
     # with an outlier (a peer out of step, say); most peers in close pairs are an honest group whose updates
-    # hardly differ (16 peers trained on one repeated sentence flagged most of one another so, and banned ten of
+    # hardly differ (16 peers trained on one repeated sentence flagged most of one another so, and banned 11 of
     # them within seven rounds): neither is collusion.
     suspect = close.any(dim=1)
     if 2 * int(suspect.sum()) >= parts.shape[0]:
