@@ -1,7 +1,7 @@
 """What joining buys, as a volunteer sees it: one peer alone against 4 peers in the swarm (in process).
 
     python benchmarks/swarm_speedup.py --data PATH/tinyshakespeare.txt [--steps 2000] [--inner-steps 50]
-        [--batch-size 8] [--apply-after 10] [--round-time 0.9] [--out DIR]
+        [--batch-size 8] [--apply-after 10] [--round-time 0.9] [--swarm-steps N] [--out DIR]
 
 - solo       one trainer of batch B for `--steps` N steps (join's inner AdamW and schedule), evaluated every
              `--inner-steps` H steps; its last val loss is the target L.
@@ -13,6 +13,9 @@
 - exact mean the same rounds with the exact mean of the pseudo-gradients (the reference: no compression).
 - one process on the combined batch (`--peers` x B, same schedule): what the extra data buys with no rounds at
              all, the ceiling of the swarm's compute multiplier at this model size and schedule.
+
+`--swarm-steps` gives the last three rows a schedule of their own (a run whose founder expects several peers
+sets a shorter one, `join --steps`); the solo run keeps N, and the multiplier stays N / S.
 
 Each in-process peer stands for a volunteer on a machine of its own, so wall time is counted per peer: the solo
 run takes N x t_step, the swarm S x t_step + rounds x t_round, with S the steps per peer to reach L, t_step the
@@ -88,12 +91,15 @@ def main() -> None:
                         "100 Mbit/s, 40 ms links, benchmarks/RESULTS.md)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"the rows besides the solo run, comma-separated: "
                         f"{', '.join(ROWS)} (to split one comparison across processes; default: all)")
+    parser.add_argument("--swarm-steps", type=int, help="the swarm rows' schedule in steps a peer (default: "
+                        "--steps, the solo run's)")
     parser.add_argument("--out", help="folder for table.md and results.json (the curves)")
     args = parser.parse_args()
     rows_wanted = args.rows.split(",")
     if not rows_wanted or any(row not in ROWS for row in rows_wanted):
         parser.error(f"--rows takes a comma-separated subset of {', '.join(ROWS)}, got {args.rows!r}")
-    for name in ("steps", "inner_steps", "peers", "batch_size"):
+    args.swarm_steps = args.swarm_steps or args.steps
+    for name in ("steps", "inner_steps", "peers", "batch_size", "swarm_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.apply_after <= args.inner_steps:
@@ -109,6 +115,7 @@ def main() -> None:
     solo_curve, step_s = one_process(args, args.batch_size, "solo")
     target = solo_curve[-1][1]
     rows = [("one peer alone", solo_curve, args.steps)]
+    swarm_args = argparse.Namespace(**{**vars(args), "steps": args.swarm_steps})
     error_feedback = DEFAULT_ERROR_FEEDBACK[args.codec]
     for row, name, averaging in (
         ("codec", f"{args.peers} peers, {args.codec} codec both ways, error feedback {error_feedback} (join's "
@@ -116,11 +123,11 @@ def main() -> None:
         ("exact", f"{args.peers} peers, exact mean (reference)", "exact"),
     ):
         if row in rows_wanted:
-            curve = swarm(args, averaging, target)
+            curve = swarm(swarm_args, averaging, target)
             rows.append((name, curve, first_reaching(curve, target)))
     combined = None
     if "combined" in rows_wanted:
-        combined, _ = one_process(args, args.peers * args.batch_size, "combined batch", target)
+        combined, _ = one_process(swarm_args, args.peers * args.batch_size, "combined batch", target)
         # no rounds: its wall time is not a volunteer's, so the table gives it the compute multiplier only
         rows.append((f"one process on the combined batch ({args.peers} x {args.batch_size}; no rounds: the "
                      "ceiling)", combined, first_reaching(combined, target)))
@@ -129,7 +136,7 @@ def main() -> None:
     lines = [
         f"model {args.model} on {args.device}, batch {args.batch_size} a peer, N={args.steps} steps (warm-up "
         f"{args.warmup}, cosine), inner lr {args.lr}, H={args.inner_steps}, outer lr {args.outer_lr} momentum "
-        f"{args.outer_momentum}, averages applied {args.apply_after} steps into the next round; target: the solo "
+        f"{args.outer_momentum}, the swarm rows' schedule {args.swarm_steps} steps, averages applied {args.apply_after} steps into the next round; target: the solo "
         f"run's final val loss {target:.4f}; t_step {1000 * step_s:.1f} ms (median of the solo run), t_round "
         f"{args.round_time} s{' (the real swarm measured 0.7-1.1 s, RESULTS.md)' if args.round_time == MEASURED_ROUND_S else ''}; "
         f"{time.perf_counter() - started:.0f} s",
