@@ -32,7 +32,9 @@ class Command:
     def __init__(self, tmp_path: Path, *args: str) -> None:
         self.stderr = tmp_path / "stderr.txt"
         with open(self.stderr, "wb") as sink:
-            self.popen = subprocess.Popen([sys.executable, "-m", "tscale_p2p.cli", *args], cwd=tmp_path, env=CHILD_ENV,
+            # -X faulthandler: a command that hangs is made to print every thread's stack (see `wait_until`)
+            self.popen = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "tscale_p2p.cli", *args],
+                                          cwd=tmp_path, env=CHILD_ENV,
                                           stdout=subprocess.DEVNULL, stderr=sink, start_new_session=True)
         self.process = psutil.Process(self.popen.pid)
 
@@ -43,8 +45,21 @@ class Command:
         deadline = time.monotonic() + timeout
         while not ready():
             assert self.popen.poll() is None, f"exited before {what}:\n{self.err()[-3000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.err()[-3000:]}"
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} within {timeout} s:\n{self.err()[-3000:]}\n{self.stacks()}")
             time.sleep(0.2)
+
+    def stacks(self) -> str:
+        """The command's threads' stacks, where it stands now (faulthandler prints them on SIGABRT, and the command
+        dies of it), to tell where a hang is."""
+        before = len(self.err())
+        self.popen.send_signal(signal.SIGABRT)
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        dump = self.err()[before:].splitlines()
+        return "\n".join(line for line in dump if not line.startswith("Extension modules:"))[-6000:]
 
     def ctrl_c(self, timeout: float) -> tuple[int, list[psutil.Process]]:
         """SIGINT to the process group, as a terminal sends it; (exit code, descendants still alive after)."""
@@ -54,7 +69,8 @@ class Command:
         try:
             code = self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running {timeout} s after Ctrl+C:\n{self.err()[-3000:]}") from None
+            raise AssertionError(f"still running {timeout} s after Ctrl+C:\n{self.err()[-3000:]}\n{self.stacks()}") \
+                from None
         _, alive = psutil.wait_procs(descendants, timeout=10)
         return code, alive
 
