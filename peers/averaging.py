@@ -11,8 +11,8 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    and drops the sender for the round if it is not a well-formed message of the expected shape, is not finite, carries a
    non-positive weight, or has a norm above `max_norm_ratio` times the reducer's own part (times the sender's tokens
    over ours, at most `TOKEN_ALLOWANCE_CAP`). What is left is not averaged but aggregated robustly (peers/robust.py:
-   CenteredClip, a token claim above the group's median weighing only as far as its part's length backs it,
-   contributions opposed to most others', far from the group's or colluding left out). Senders check the averages they get back against the parts they sent
+   CenteredClip, token weights capped at the group's median, contributions opposed to most others', far from the
+   group's or colluding left out). Senders check the averages they get back against the parts they sent
    (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose average could not come from an honest reducer
    (-50x the average, or its opposite) fails as a whole.
 3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which

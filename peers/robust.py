@@ -8,11 +8,8 @@ longer moves. A contribution, however large, then shifts the result by at most i
 Coordinate-wise medians and trimmed means were not chosen: "A Little Is Enough" (Baruch et al., NeurIPS 2019)
 defeats them with a shift of one standard deviation per coordinate, which stays inside every coordinate's range.
 
-Claimed token counts weigh contributions, but a claim above the group's (high) median counts only as far as its
-part's length backs it, at most `CLAIM_BACKING_MAX` times the median claim: one peer claiming 10^12 tokens with an
-update of typical length weighs as much as a typical peer, and twice that only with an update twice as long, which
-the clip and the far test meet. A fast honest peer (more steps, a longer update) keeps most of its weight; capped
-at the median claim it lost it, and the average came out shorter than the plain mean's (benchmarks/RESULTS.md).
+Claimed token counts weigh contributions, but none above the group's (high) median claim: one peer claiming 10^12
+tokens weighs as much as a typical peer, not more.
 
 The verdict flags contributions that no honest peer would send, for reputation (peers/reputation.py: two
 strikes ban), and leaves out some more that an honest peer may send now and then:
@@ -61,7 +58,6 @@ FLIP_SHARE = 0.6  # ... by a cosine below minus this share of it (a sign flip: a
 COLLUSION_DISTANCE = 0.25  # "colluding": two contributions closer than this times the median pairwise distance
 SMALL_SHARE = 0.5  # a contribution shorter than this times the result is never taken for a colluder
 COLLUSION_MIN_VALUES = 256  # shorter parts (less than one block of the codes) are not judged for collusion
-CLAIM_BACKING_MAX = 2.0  # a claim weighs at most this times the median claim, with a part this times the median's length
 
 
 @dataclass(frozen=True)
@@ -91,15 +87,6 @@ def capped_weights(tokens: torch.Tensor) -> torch.Tensor:
     """Claimed token counts, each capped at their (high) median; non-finite or negative claims weigh nothing."""
     tokens = torch.where(torch.isfinite(tokens) & (tokens > 0), tokens, torch.zeros_like(tokens))
     return tokens.clamp(max=high_median(tokens))
-
-
-def claim_weights(tokens: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """The weights of parts of lengths `norms` that claim `tokens`: each claim capped at the (high) median claim
-    times its part's length over the median length, that ratio kept within 1..CLAIM_BACKING_MAX."""
-    norms = norms.to(torch.float64)
-    backing = (norms / max(float(norms.median()), torch.finfo(torch.float64).tiny)).clamp(1.0, CLAIM_BACKING_MAX)
-    tokens = torch.where(torch.isfinite(tokens) & (tokens > 0), tokens, torch.zeros_like(tokens))
-    return torch.minimum(tokens, high_median(tokens) * backing)
 
 
 def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
@@ -157,23 +144,22 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     def rows(kept: list[int]) -> torch.Tensor:  # indexing copies the part: only when some row is left out
         return parts if len(kept) == parts.shape[0] else parts[kept]
 
-    norms = gram.diagonal().clamp(min=0).sqrt()
     opposed, flipped = _opposed(gram, parts.shape[1])
     kept = [i for i in range(parts.shape[0]) if i not in opposed]
-    aggregate = _clipped_mean(rows(kept), tokens[kept], norms[kept])
+    aggregate = _clipped_mean(rows(kept), tokens[kept])
     astray, far = _far(parts, tokens, aggregate)  # the opposed parts too: a long flip is far as well
     if astray & set(kept):
         kept = [i for i in kept if i not in astray]
-        aggregate = _clipped_mean(rows(kept), tokens[kept], norms[kept])
+        aggregate = _clipped_mean(rows(kept), tokens[kept])
     colluding = frozenset(kept[i] for i in _colluding(rows(kept), gram[kept][:, kept], aggregate))
     if colluding:
         kept = [i for i in kept if i not in colluding]
-        aggregate = _clipped_mean(rows(kept), tokens[kept], norms[kept])
+        aggregate = _clipped_mean(rows(kept), tokens[kept])
     return RobustResult(aggregate, far, colluding, opposed - flipped - astray, flipped - far, astray - far - flipped)
 
 
-def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    weights = claim_weights(tokens, norms)
+def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    weights = capped_weights(tokens)
     if float(weights.sum()) == 0:
         weights = torch.ones_like(weights)
     if parts.shape[0] == 1:

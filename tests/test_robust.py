@@ -29,7 +29,7 @@ from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.codec import E8Codec, OneBitCodec
 from tscale_p2p.peers.reputation import PeerReputation
-from tscale_p2p.peers.robust import centered_clip, claim_weights, coordinate_median, robust_aggregate
+from tscale_p2p.peers.robust import centered_clip, coordinate_median, robust_aggregate
 from tscale_p2p.trainer import Trainer
 
 D = 8192
@@ -78,25 +78,6 @@ def test_clean_contributions_average_to_their_weighted_mean():
     result = robust_aggregate(parts, tokens)
     weights = tokens.clamp(max=1800.0)  # capped at the (high) median claim
     assert relative(result.aggregate, (weights @ parts) / weights.sum()) < 1e-5
-    assert not result.flagged
-
-
-def test_a_claim_above_the_median_weighs_more_only_as_far_as_its_part_is_longer():
-    """A fast honest peer (more tokens, a longer update) keeps its weight; a large claim with a part of typical
-    length weighs the median claim; no claim weighs more than twice the median claim."""
-    tokens = torch.tensor([1000.0, 1000.0, 1000.0, 3000.0])
-    assert claim_weights(tokens, torch.tensor([1.0, 1.1, 0.9, 1.5])).tolist() == [1000.0, 1000.0, 1000.0, 1500.0]
-    assert claim_weights(tokens, torch.tensor([1.0, 1.1, 0.9, 0.5])).tolist() == [1000.0] * 4
-    huge = torch.tensor([1000.0, 1000.0, 1000.0, 1e12])
-    assert claim_weights(huge, torch.tensor([1.0, 1.0, 1.0, 1.0])).tolist() == [1000.0] * 4
-    assert claim_weights(huge, torch.tensor([1.0, 1.0, 1.0, 9.0])).tolist() == [1000.0, 1000.0, 1000.0, 2000.0]
-    # In the aggregate: the longer part of the peer that made more steps is weighed by its norm, not capped away.
-    parts = torch.stack(honest_updates(4, seed=2, common_share=2.0))
-    parts[3] *= 1.4
-    result = robust_aggregate(parts, tokens)
-    weights = claim_weights(tokens, parts.norm(dim=1))
-    assert 1.3 < float(weights[3]) / 1000.0 < 1.5
-    assert relative(result.aggregate, (weights.float() @ parts) / weights.sum()) < 1e-5
     assert not result.flagged
 
 
