@@ -109,6 +109,19 @@ def test_with_three_live_peers_a_pair_is_taken_only_with_a_peer_averaged_with_be
     assert two.pair_partners(set(), set(), rounds_alone=0) is None  # a pair is all there is
 
 
+def test_peers_seen_live_before_training_count_until_the_first_average():
+    """Peers started together (`join --min-peers`) publish their round clocks' first records as they start: a
+    peer's first round may be formed before its clock has read any. The peers `join` saw live before training
+    count meanwhile, so that round takes no pair with a stranger (an attacker paired so poisoned a 3 + 1 swarm,
+    benchmarks/RESULTS.md); once this peer has averaged, its clock tells."""
+    blind = RoundSchedule(clock_seeing(), 2.0)
+    assert blind.pair_partners(set(), set(), rounds_alone=0) is None
+    blind.live_at_start = 4
+    assert blind.pair_partners(set(), set(), rounds_alone=0) == frozenset()
+    assert blind.pair_partners({"b"}, set(), rounds_alone=0) is None  # the clock sees one peer: a pair is all
+    assert blind.pair_partners(set(), set(), rounds_alone=PAIR_PATIENCE) is None
+
+
 def test_a_round_is_given_up_after_two_windows_only_when_nobody_else_trains_towards_it():
     now = time.time()
     assert RoundSchedule(clock_seeing(), matchmaking_time=1.5).give_up_after(4) == 3.0
