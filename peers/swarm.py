@@ -290,7 +290,7 @@ class SwarmPeer:
                 window_tokens += stats.tokens
                 window_steps += 1
                 if self._in_flight is not None and (self._in_flight.pending.done() or self._give_up_round_if_alone()):
-                    self._apply_in_flight()  # at once: every step trained on stale global weights costs loss
+                    self._apply_in_flight(steps_late=steps_in_round)  # at once: each step on stale weights costs loss
                 # A round ends when the swarm has made H steps per peer, or later if the previous average is
                 # still on its way: the trainer never waits for the network, a slow round just lasts longer.
                 epoch = self.round + (self._in_flight is not None)
@@ -410,9 +410,10 @@ class SwarmPeer:
         self._in_flight = _InFlight(self.round + 1, pending, pseudo_gradient, base)
         self.status.update(averaging_in_flight=True)
 
-    def _apply_in_flight(self) -> None:
+    def _apply_in_flight(self, steps_late: int | None = None) -> None:
         """Outer step with the average of the round in flight (waiting for it if needed; our own update if we
-        averaged alone), keeping the local progress made since this round began."""
+        averaged alone), keeping the local progress made since this round began (`steps_late` steps; None when
+        leaving)."""
         flight, self._in_flight = self._in_flight, None
         outcome = flight.pending.result()
         average = flight.pseudo_gradient if outcome.averaged is None else dict(zip(self.names, outcome.averaged))
@@ -422,7 +423,7 @@ class SwarmPeer:
             self._fingerprint = self.weights_fingerprint()
         self.trainer.apply_outer_update(weights)
         self._advertise_state()
-        self.report.round(flight.number, outcome, self._fingerprint)
+        self.report.round(flight.number, outcome, self._fingerprint, steps_late)
         self._rounds_alone = 0 if outcome.averaged is not None else self._rounds_alone + 1
         if outcome.averaged is not None and not outcome.dropped_peers:
             self.clock.confirm(outcome.group_peers)  # they really averaged with us: their progress counts fully

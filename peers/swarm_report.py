@@ -68,8 +68,9 @@ class SwarmReport:
             log.info("step %d  round %d  loss %.4f  %.0f tok/s%s", step, round_number, loss, tokens_per_s,
                      "  (averaging in the background)" if in_flight else "")
 
-    def round(self, number: int, outcome: RoundOutcome, weights: str) -> None:
-        """Round `number` applied with `outcome`, leaving global weights of fingerprint `weights`."""
+    def round(self, number: int, outcome: RoundOutcome, weights: str, steps_late: int | None = None) -> None:
+        """Round `number` applied with `outcome`, leaving global weights of fingerprint `weights`, `steps_late`
+        local steps into the next round (None: on leaving)."""
         self.bytes_sent += outcome.bytes_sent
         self.bytes_received += outcome.bytes_received
         if outcome.averaged is not None:
@@ -94,9 +95,12 @@ class SwarmReport:
         # A groupmate lost mid-round leaves a span of our average zero (a reducer) or without its part (a sender):
         # say so, since that round then carried less than the group's whole update.
         lost = f", lost {outcome.dropped_peers} of them mid-round" if outcome.dropped_peers else ""
+        # The steps trained meanwhile on the previous global weights: what a slow round costs (they are kept, but
+        # were computed from older weights than the swarm's).
+        late = f", applied {steps_late} steps into round {number + 1}" if steps_late is not None else ""
         log.info("round %d: averaged with %d peer(s)%s in %.1f s, sent %.1f KiB (%.2f bits a value), received %.1f "
-                 "KiB, weights %s", number, outcome.group_size - 1, lost, outcome.seconds, outcome.bytes_sent / 1024,
-                 bits_per_value, outcome.bytes_received / 1024, weights)
+                 "KiB%s, weights %s", number, outcome.group_size - 1, lost, outcome.seconds, outcome.bytes_sent / 1024,
+                 bits_per_value, outcome.bytes_received / 1024, late, weights)
 
     def record(self) -> PeerRecord:
         """This peer's metrics record, as published."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 
 import pytest
@@ -220,6 +221,17 @@ def test_leaving_waits_for_the_round_in_flight_and_applies_the_groups_average(co
     assert record.last_averaging is not None and record.tokens_contributed > 0
     local = peer.trainer.snapshot()
     assert any(not torch.equal(local[n], peer.outer.weights[n]) for n in peer.names)
+
+
+def test_each_round_says_how_many_steps_into_the_next_one_its_average_was_applied(corpus, tmp_path, caplog):
+    """The steps a peer trains on the previous global weights while its round averages are what a slow round
+    costs: the round's line says how many. Here each average is done 3 steps into the next round."""
+    peer = make_peer(corpus, tmp_path / "late", lambda k, g, m: averaged_with_group([t.clone() for t in g], [m, m],
+                                                                                   polls=2), max_steps=2 * H)
+    with caplog.at_level(logging.INFO, logger="tscale_p2p"):
+        peer.run()
+    assert re.search(r"round 1: averaged with 1 peer\(s\) in .* KiB, applied 3 steps into round 2, weights \w+\n",
+                     caplog.text), caplog.text
 
 
 def test_the_runs_last_steps_are_averaged_when_the_swarm_made_h_steps_in_the_round(corpus, tmp_path):
