@@ -534,9 +534,13 @@ def swarm_rows(args, out: Path | None) -> list[tuple[str, float, int, str]]:
     full = sum(len(re.findall(rf"averaged with {args.peers - 1} peer", log)) for log in logs) / args.peers
     rounds = sum(len(re.findall(r"round \d+: averaged", log)) for log in logs) / args.peers
     resyncs = sum(len(re.findall(r"back in step with the swarm", log)) for log in logs)
+    # how late each average came, against the in-process rows' --apply-after
+    late = sorted(int(n) for log in logs for n in re.findall(r"applied (\d+) steps into round", log))
     name = f"swarm, 1-bit async, error feedback {args.error_feedback}, outer lr {args.outer_lr} ({args.peers} processes)"
     notes = (f"{full:.1f} of {rounds:.1f} rounds/peer with all {args.peers}, {args.steps / max(rounds, 1):.0f} "
-             f"steps/round, {resyncs} state re-downloads, global weights {'identical' if identical else 'differ'}")
+             f"steps/round, {resyncs} state re-downloads, global weights {'identical' if identical else 'differ'}"
+             + (f", averages applied {late[len(late) // 2]} steps into the next round (median; {late[0]}-{late[-1]})"
+                if late else ""))
     return [
         (f"{name}: global weights", sum(global_losses) / args.peers, tokens,
          f"{notes}; per peer {', '.join(f'{x:.4f}' for x in global_losses)}"),
