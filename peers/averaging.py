@@ -99,7 +99,7 @@ from tscale_p2p.peers.hivemind_seam import (
     outputs_registered,
     parts_sent_to,
 )
-from tscale_p2p.peers.reputation import PeerReputation
+from tscale_p2p.peers.reputation import COLLUDING, PeerReputation
 from tscale_p2p.peers.robust import high_median, robust_aggregate
 from tscale_p2p.peers.span_agreement import (
     NO_AVERAGE,
@@ -1150,7 +1150,7 @@ class _RobustPartReducer(TensorPartReducer):
         for k in result.far:
             self.flagged.setdefault(senders[k], "a part far from the group's")
         for k in result.colluding:
-            self.flagged.setdefault(senders[k], "a part nearly the same as another sender's")
+            self.flagged.setdefault(senders[k], COLLUDING)
         for k in result.flipped:
             self.flagged.setdefault(senders[k], "a part pointing against the others' agreeing ones")
         return result.aggregate.reshape(shape)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 BAN_AFTER = 2  # rounds with a rejection; one could be bad luck at a threshold, two in one run are not
+COLLUDING = "a part nearly the same as another sender's"  # the robust rule's verdict on a colluding pair's parts
 
 
 @dataclass
@@ -31,27 +32,37 @@ class PeerReputation:
     disputed: set[str] = field(default_factory=set)
 
     def record_round(self, rejected: dict[str, str]) -> list[str]:
-        """Count one strike for each peer rejected in a round (peer id -> why); return those banned by it."""
+        """Count one strike for each peer rejected in a round (peer id -> why); return those banned by it.
+
+        Colluders flagged in the round in which one of them is banned for it go with it: a part is only ever
+        flagged as colluding with another's, so they were its twins. Left with one strike, the last of a pair
+        had no twin any more to be caught with, and stayed ("A Little Is Enough" pairs: one of two banned)."""
         newly_banned = []
         for peer, reason in rejected.items():
             if peer in self.banned:
                 continue
             self.strikes[peer] = self.strikes.get(peer, 0) + 1
             if self.strikes[peer] >= self.ban_after:
-                self.banned[peer] = reason
+                self._ban(peer, reason, f"rejected in {self.strikes[peer]} rounds, last for {reason}")
                 newly_banned.append(peer)
-                logger.warning("banning %s for the rest of the run: rejected in %d rounds, last for %s",
-                               peer, self.strikes[peer], reason)
             else:
                 logger.warning("rejected %s this round (%s); %d more such round(s) and it is banned",
                                peer, reason, self.ban_after - self.strikes[peer])
+        if any(rejected[peer] == COLLUDING for peer in newly_banned):
+            for peer, reason in rejected.items():
+                if reason == COLLUDING and peer not in self.banned:
+                    self._ban(peer, reason, "flagged as colluding in the round its twin was banned for it")
+                    newly_banned.append(peer)
         return newly_banned
+
+    def _ban(self, peer: str, reason: str, why: str) -> None:
+        self.banned[peer] = reason
+        logger.warning("banning %s for the rest of the run: %s", peer, why)
 
     def convict(self, peer: str, reason: str) -> None:
         """Ban `peer` at once: it was proven to lie (peers/span_agreement.py), no strikes needed."""
         if peer not in self.banned:
-            self.banned[peer] = reason
-            logger.warning("banning %s for the rest of the run: %s", peer, reason)
+            self._ban(peer, reason, reason)
 
     @property
     def caught(self) -> set[str]:

@@ -28,7 +28,7 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.codec import E8Codec, OneBitCodec
-from tscale_p2p.peers.reputation import PeerReputation
+from tscale_p2p.peers.reputation import COLLUDING, PeerReputation
 from tscale_p2p.peers.robust import centered_clip, coordinate_median, robust_aggregate
 from tscale_p2p.trainer import Trainer
 
@@ -226,6 +226,17 @@ def test_a_peer_is_banned_after_being_rejected_in_two_rounds():
     assert reputation.record_round({"A": "an invalid average"}) == ["A"]
     assert reputation.record_round({"A": "far", "B": "far"}) == ["B"]  # a banned peer is not counted again
     assert reputation.banned == {"A": "an invalid average", "B": "far"}
+
+
+def test_colluders_flagged_in_the_round_one_of_them_is_banned_for_it_are_banned_with_it():
+    """A part is flagged as colluding only with another's: once one of the pair is banned for it, the other has no
+    twin left to be caught with, so the ones flagged beside it in that round go too, and nobody else."""
+    reputation = PeerReputation()
+    assert reputation.record_round({"A": COLLUDING, "C": "far"}) == []
+    assert reputation.record_round({"A": COLLUDING, "B": COLLUDING, "D": "far"}) == ["A", "B"]
+    assert set(reputation.banned) == {"A", "B"} and reputation.strikes["D"] == 1
+    assert reputation.record_round({"C": "an invalid average", "E": COLLUDING}) == ["C"]  # not banned for collusion
+    assert "E" not in reputation.banned
 
 
 # ---- attackers in a real averaging group ----
