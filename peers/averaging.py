@@ -1153,6 +1153,8 @@ class _RobustPartReducer(TensorPartReducer):
             self.flagged.setdefault(senders[k], COLLUDING)
         for k in result.flipped:
             self.flagged.setdefault(senders[k], "a part pointing against the others' agreeing ones")
+        for k in result.one_sided:
+            self.flagged.setdefault(senders[k], "a part to one side of the group's median in most of its values")
         return result.aggregate.reshape(shape)
 
 

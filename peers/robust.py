@@ -38,6 +38,18 @@ strikes ban), and leaves out some more that an honest peer may send now and then
   most peers in close pairs, one whose updates hardly differ). Small contributions (late joiners, near zero and
   so near one another) are never flagged: they cannot shift the result; nor are parts too short to be told
   apart (`COLLUSION_MIN_VALUES`).
+- **one-sided** (a strike): above the group's coordinate-wise median in far more of its values than below it (or
+  the reverse) once every part is brought to one length, while the rest lean the other way. "A Little Is Enough"
+  sends the honest mean minus a standard deviation in every coordinate: each shift is inside the honest range,
+  but all point one way. An honest part's deviations have no side, except that a shorter part lies nearer zero
+  than the median and so leans against the median's own signs: hence the one length (coded parts are unchanged by
+  it but for their scales). Measured on real swarms of 3-4 peers (e8 code, parts of 16384 values): 1419 honest
+  parts within +-0.13 (99% within 0.08), a lone attacker's parts 0.10-0.47 (most beyond 0.2, so caught in its
+  first or second round; its own last two updates as the honest ones it knows). The deviations' signs cancel
+  coordinate by coordinate, so the honest parts of such a group lean the other way: only a minority side is
+  flagged, and only when all of it is clearly one-sided. Small parts and short ones are not judged. The sign
+  code leaves such an attacker less visible (0.11-0.24 in tests/test_robust.py's synthetic groups, against
+  0.29-0.50 for e8).
 """
 
 from __future__ import annotations
@@ -58,6 +70,8 @@ FLIP_SHARE = 0.6  # ... by a cosine below minus this share of it (a sign flip: a
 COLLUSION_DISTANCE = 0.25  # "colluding": two contributions closer than this times the median pairwise distance
 SMALL_SHARE = 0.5  # a contribution shorter than this times the result is never taken for a colluder
 COLLUSION_MIN_VALUES = 256  # shorter parts (less than one block of the codes) are not judged for collusion
+ONE_SIDED = 0.2  # "one-sided": (share of values above the median) - (share below), beyond this (honest: <= 0.13)
+ONE_SIDED_MIN_VALUES = 16384  # shorter parts are not judged for it (honest ones of 4096 values measured up to 0.2)
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,7 @@ class RobustResult:
     aggregate: torch.Tensor
     far: frozenset[int]  # a strike
     colluding: frozenset[int]  # a strike
+    one_sided: frozenset[int] = frozenset()  # a strike
     opposed: frozenset[int] = frozenset()
     flipped: frozenset[int] = frozenset()  # a strike
     astray: frozenset[int] = frozenset()
@@ -74,7 +89,7 @@ class RobustResult:
     @property
     def flagged(self) -> frozenset[int]:
         """Every part left out of the aggregate."""
-        return self.far | self.colluding | self.opposed | self.flipped | self.astray
+        return self.far | self.colluding | self.one_sided | self.opposed | self.flipped | self.astray
 
 
 def high_median(values: torch.Tensor) -> float:
@@ -136,7 +151,8 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`.
 
     Flagged contributions are left out of the result: first the opposed ones, then the astray ones (measured
-    against the rest), then colluding ones. A part with two verdicts gets the one with a strike.
+    against the rest), then colluding and one-sided ones. A part with two verdicts gets the one with a strike
+    (colluding before one-sided: a colluder's twins go with it, peers/reputation.py).
     """
     tokens = tokens.to(torch.float64)
     gram = (parts @ parts.T).double()  # every pairwise test reads it: one pass over the parts
@@ -146,28 +162,33 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
 
     opposed, flipped = _opposed(gram, parts.shape[1])
     kept = [i for i in range(parts.shape[0]) if i not in opposed]
-    aggregate = _clipped_mean(rows(kept), tokens[kept])
+    aggregate, lean = _clipped_mean(rows(kept), tokens[kept])
     astray, far = _far(parts, tokens, aggregate)  # the opposed parts too: a long flip is far as well
     if astray & set(kept):
         kept = [i for i in kept if i not in astray]
-        aggregate = _clipped_mean(rows(kept), tokens[kept])
+        aggregate, lean = _clipped_mean(rows(kept), tokens[kept])
     colluding = frozenset(kept[i] for i in _colluding(rows(kept), gram[kept][:, kept], aggregate))
-    if colluding:
-        kept = [i for i in kept if i not in colluding]
-        aggregate = _clipped_mean(rows(kept), tokens[kept])
-    return RobustResult(aggregate, far, colluding, opposed - flipped - astray, flipped - far, astray - far - flipped)
+    one_sided = frozenset(kept[i] for i in _one_sided(rows(kept), lean, aggregate)) - colluding
+    if colluding | one_sided:
+        kept = [i for i in kept if i not in colluding | one_sided]
+        aggregate, _ = _clipped_mean(rows(kept), tokens[kept])
+    return RobustResult(aggregate, far, colluding, one_sided, opposed - flipped - astray, flipped - far,
+                        astray - far - flipped)
 
 
-def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The aggregate of `parts`, and each one's lean: the share of its values above their coordinate-wise median
+    minus the share below (it falls out of the offsets CenteredClip starts from)."""
     weights = capped_weights(tokens)
     if float(weights.sum()) == 0:
         weights = torch.ones_like(weights)
     if parts.shape[0] == 1:
-        return parts[0].clone()
+        return parts[0].clone(), torch.zeros(1)
     start = coordinate_median(parts)
     offsets = parts - start
+    lean = offsets.sign().mean(dim=1)
     tau = TAU_FACTOR * float(offsets.norm(dim=1).median())
-    return start if tau == 0 else centered_clip(offsets, weights, start, tau)
+    return (start if tau == 0 else centered_clip(offsets, weights, start, tau)), lean
 
 
 def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> tuple[frozenset[int], frozenset[int]]:
@@ -237,3 +258,22 @@ def _colluding(parts: torch.Tensor, gram: torch.Tensor, aggregate: torch.Tensor)
     if 2 * int(suspect.sum()) >= parts.shape[0]:
         return frozenset()
     return frozenset(int(i) for i in torch.nonzero(suspect).flatten())
+
+
+def _one_sided(parts: torch.Tensor, lean: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:
+    n = parts.shape[0]
+    if n < 3 or parts.shape[1] < ONE_SIDED_MIN_VALUES:
+        return frozenset()
+    judged = parts.norm(dim=1) >= SMALL_SHARE * float(aggregate.norm())
+    if not bool((judged & (lean.abs() > ONE_SIDED / 2)).any()):  # the usual honest group: no need to look closer
+        return frozenset()
+    # A shorter part lies nearer zero than the median, so it leans against the median's own signs; at one length,
+    # an honest part does not lean (a coded part's rotation and scales are unchanged by its length).
+    norms = parts.norm(dim=1, keepdim=True)
+    even = parts / norms.clamp(min=torch.finfo(parts.dtype).tiny) * norms.median()
+    lean = (even - coordinate_median(even)).sign_().mean(dim=1)
+    for side in (lean > 0, lean < 0):
+        members = torch.nonzero(side).flatten().tolist()
+        if members and 2 * len(members) < n and all(judged[i] and abs(float(lean[i])) > ONE_SIDED for i in members):
+            return frozenset(members)
+    return frozenset()

@@ -209,15 +209,31 @@ def test_an_honest_peer_further_out_makes_nobody_look_colluding():
     assert not robust_aggregate(parts, torch.full((3,), 1000.0)).flagged
 
 
-def test_a_single_a_little_is_enough_attacker_moves_the_result_no_more_than_a_silent_peer_would():
-    """One shifted contribution inside the honest spread is not flagged (nothing tells it from noise), and
-    clipping bounds what it does: about as much as a peer that sent zeros."""
-    honest = honest_updates(3, seed=4)
-    honest_mean = torch.stack(honest).mean(dim=0)
-    shifted = robust_aggregate(torch.stack([*honest, onebit(alie(honest))]), torch.full((4,), 1000.0))
-    silent = robust_aggregate(torch.stack([*honest, torch.zeros(D)]), torch.full((4,), 1000.0))
-    assert not shifted.flagged
-    assert relative(shifted.aggregate, honest_mean) < 2 * relative(silent.aggregate, honest_mean)
+@pytest.mark.parametrize("knows", ["the honest updates", "its own last two"])
+def test_a_single_a_little_is_enough_attacker_is_one_sided_and_left_out(knows):
+    """Its shift stays inside every coordinate's honest range, but points one way in all of them: its part lies
+    below the group's median in most of its values, and is flagged, a strike, in 3 + 1 and 2 + 1 (e8 words,
+    join's default code)."""
+    codec = E8Codec()
+    updates = honest_updates(5, seed=4, d=4 * D, common_share=2.0)
+    *honest, own, own_previous = [codec.carried(update) for update in updates]
+    for group in (honest, honest[:2]):
+        samples = group if knows == "the honest updates" else [own, own_previous]
+        parts = torch.stack([*group, codec.carried(alie(samples))])
+        result = robust_aggregate(parts, torch.full((len(parts),), 1000.0))
+        assert result.one_sided == {len(group)} and result.flagged == {len(group)}
+        assert relative(result.aggregate, torch.stack(group).mean(dim=0)) < 1e-5
+
+
+@pytest.mark.parametrize("count", [3, 4, 8, 16])
+def test_honest_parts_of_any_length_are_never_one_sided(count):
+    """Honest peers' deviations from the median have no side, whichever peer trained longer or joined late."""
+    generator = torch.Generator().manual_seed(count)
+    lengths = torch.empty(count).uniform_(0.3, 4.0, generator=generator)
+    for codec in (OneBitCodec(), E8Codec()):
+        parts = torch.stack([codec.carried(length * update)
+                             for length, update in zip(lengths, honest_updates(count, seed=count, d=4 * D))])
+        assert not robust_aggregate(parts, torch.full((count,), 1000.0)).one_sided
 
 
 def test_a_peer_is_banned_after_being_rejected_in_two_rounds():
