@@ -49,7 +49,7 @@ from swarm_convergence import PEER_ENV, _global_weights, _wait_for, val_loss
 
 ATTACKS_SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "attacks.py"
 DEFAULT_ROWS = ("clean:4,mean:4,clean:3,sign_flip:3+1,heavy_sign_flip:3+1,scaled:3+1,lying_reducer:3+1,"
-                "two_faced_reducer:3+1,two_faced_unsigned:3+1,alie:3+1,alie_pair:3+2,sign_flip:2+1,heavy_sign_flip:2+1,"
+                "two_faced_reducer:3+1,two_faced_unsigned:3+1,alie:3+1,alie_pair:3+2,alie:2+1,sign_flip:2+1,heavy_sign_flip:2+1,"
                 "scaled:2+1,lying_reducer:2+1,two_faced_reducer:2+1,two_faced_unsigned:2+1")
 
 
