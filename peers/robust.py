@@ -186,9 +186,23 @@ def _clipped_mean(parts: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tens
         return parts[0].clone(), torch.zeros(1)
     start = coordinate_median(parts)
     offsets = parts - start
-    lean = offsets.sign().mean(dim=1)
+    lean = _lean(offsets)
     tau = TAU_FACTOR * float(offsets.norm(dim=1).median())
     return (start if tau == 0 else centered_clip(offsets, weights, start, tau)), lean
+
+
+def _lean(offsets: torch.Tensor) -> torch.Tensor:
+    """Each row's share of positive values minus its share of negative ones. A block of columns at a time: the
+    signs of a whole part at once are a temporary of its size, whose first touch cost 16 ms for 8 x 2^20 values
+    against 2 ms in blocks."""
+    total = torch.zeros(offsets.shape[0], dtype=torch.float64)
+    width = max(1024, MEDIAN_BLOCK_VALUES // offsets.shape[0])
+    signs = torch.empty(offsets.shape[0], min(width, offsets.shape[1]), dtype=offsets.dtype)
+    for begin in range(0, offsets.shape[1], width):
+        block = offsets[:, begin : begin + width]
+        torch.sign(block, out=signs[:, : block.shape[1]])
+        total += signs[:, : block.shape[1]].sum(dim=1)
+    return (total / max(offsets.shape[1], 1)).to(offsets.dtype)
 
 
 def _far(parts: torch.Tensor, tokens: torch.Tensor, aggregate: torch.Tensor) -> tuple[frozenset[int], frozenset[int]]:
@@ -271,7 +285,7 @@ def _one_sided(parts: torch.Tensor, lean: torch.Tensor, aggregate: torch.Tensor)
     # an honest part does not lean (a coded part's rotation and scales are unchanged by its length).
     norms = parts.norm(dim=1, keepdim=True)
     even = parts / norms.clamp(min=torch.finfo(parts.dtype).tiny) * norms.median()
-    lean = (even - coordinate_median(even)).sign_().mean(dim=1)
+    lean = _lean(even.sub_(coordinate_median(even)))
     for side in (lean > 0, lean < 0):
         members = torch.nonzero(side).flatten().tolist()
         if members and 2 * len(members) < n and all(judged[i] and abs(float(lean[i])) > ONE_SIDED for i in members):
