@@ -794,6 +794,7 @@ class SwarmAverager(AveragerBase):
                 group_tokens=[_declared_tokens(item) for item in declared],
                 out_of_step=_out_of_step(group_info.peer_ids, declared),
                 banned=frozenset(peer for peer in group_info.peer_ids if self._is_banned(peer)),
+                caught=frozenset(peer for peer in group_info.peer_ids if peer.to_base58() in self._reputation.caught),
                 p2p=self.p2p,
                 servicer_type=type(self),
                 prefix=self.prefix,
@@ -1089,13 +1090,15 @@ class _RobustPartReducer(TensorPartReducer):
     """hivemind's reducer of one span, with the robust rule (peers/robust.py) instead of a running weighted sum.
 
     A part's contributions are kept until every live sender's is in, then aggregated together (in a worker
-    thread: the event loop keeps streaming meanwhile). `flagged` collects the senders the rule flagged, by index.
+    thread: the event loop keeps streaming meanwhile). `flagged` collects the senders the rule flagged, by index;
+    `caught` (set by the runner) names those the rule judges without the benefit of the doubt.
     """
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int):
         self._contributions: dict[int, tuple[torch.Tensor, float]] = {}
         self._finishing = False
         self.flagged: dict[int, str] = {}  # sender index -> why (the first reason it was flagged for)
+        self.caught: frozenset[int] = frozenset()  # senders this peer rejected in an earlier round, by index
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -1146,7 +1149,7 @@ class _RobustPartReducer(TensorPartReducer):
         senders = sorted(contributions)
         parts = torch.stack([contributions[i][0].reshape(-1).float() for i in senders])
         tokens = torch.tensor([contributions[i][1] for i in senders], dtype=torch.float64)
-        result = robust_aggregate(parts, tokens)
+        result = robust_aggregate(parts, tokens, frozenset(k for k, i in enumerate(senders) if i in self.caught))
         for k in result.far:
             self.flagged.setdefault(senders[k], "a part far from the group's")
         for k in result.colluding:
@@ -1164,7 +1167,9 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
     Outputs are the averaged values themselves (hivemind's runner yields deltas); a failed reducer's span is
     zero, and `lost_spans` says where. Peers in `banned` take no part in our average: their parts are left out of
     our span (but answered) and their spans' answers are not used (lost), though they get our parts. `rejected`
-    says who sent or answered something refused this round, and why.
+    says who sent or answered something refused this round, and why. Senders in `caught` (rejected by this peer
+    in an earlier round) are judged by the robust rule without the benefit of the doubt it gives a half or more of
+    a group (`robust_aggregate`'s `caught`).
     `tensors` must be views of one flat buffer: a part's storage offset is then its position in the model, which
     locates lost spans and indexes the reducer residual (None: no reducer error feedback) whichever span this
     peer reduces in a round.
@@ -1181,6 +1186,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         group_tokens: Sequence[float],
         traffic: torch.Tensor,
         banned: frozenset = frozenset(),
+        caught: frozenset = frozenset(),
         out_of_step: frozenset = frozenset(),
         signer: Optional[SpanSigner] = None,
         reducer_keys: Optional[Sequence[Optional[Ed25519PublicKey]]] = None,
@@ -1198,6 +1204,9 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
         )
         hivemind_reducer.finished.set()  # never used: finished, so that it does not report missing parts
+        if isinstance(self.tensor_part_reducer, _RobustPartReducer):
+            self.tensor_part_reducer.caught = frozenset(
+                i for i, peer in enumerate(self.sender_peer_ids) if peer in caught)
         self.banned = frozenset(banned) & set(self.ordered_peer_ids) - {self.peer_id}
         for peer_id in self.banned & set(self.sender_peer_ids):
             self.banned_senders.add(peer_id)

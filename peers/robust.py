@@ -147,8 +147,13 @@ def centered_clip(offsets: torch.Tensor, weights: torch.Tensor, start: torch.Ten
     return start + coefficients.to(offsets.dtype) @ offsets
 
 
-def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
+def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor, caught: frozenset[int] = frozenset()) -> RobustResult:
     """Aggregate the rows of `parts` (one contribution each, finite), weighed by their claimed `tokens`.
+
+    Colluding and one-sided parts are only flagged while they are a minority of the group (the rest is an honest
+    group's normal), unless all of them come from `caught` senders: rejected before by this peer, for what no
+    honest peer sends. Colluders that got into a group as half or more of it (2 + 2, or both with one honest
+    peer) were otherwise never flagged there, round after round.
 
     Flagged contributions are left out of the result: first the opposed ones, then the astray ones (measured
     against the rest), then colluding and one-sided ones. A part with two verdicts gets the one with a strike
@@ -167,8 +172,9 @@ def robust_aggregate(parts: torch.Tensor, tokens: torch.Tensor) -> RobustResult:
     if astray & set(kept):
         kept = [i for i in kept if i not in astray]
         aggregate, lean = _clipped_mean(rows(kept), tokens[kept])
-    colluding = frozenset(kept[i] for i in _colluding(rows(kept), gram[kept][:, kept], aggregate))
-    one_sided = frozenset(kept[i] for i in _one_sided(rows(kept), lean, aggregate)) - colluding
+    suspected = frozenset(k for k, i in enumerate(kept) if i in caught)
+    colluding = frozenset(kept[i] for i in _colluding(rows(kept), gram[kept][:, kept], aggregate, suspected))
+    one_sided = frozenset(kept[i] for i in _one_sided(rows(kept), lean, aggregate, suspected)) - colluding
     if colluding | one_sided:
         kept = [i for i in kept if i not in colluding | one_sided]
         aggregate, _ = _clipped_mean(rows(kept), tokens[kept])
@@ -244,7 +250,8 @@ def _opposed(gram: torch.Tensor, dimension: int) -> tuple[frozenset[int], frozen
     return frozenset(suspect), frozenset(flipped)
 
 
-def _colluding(parts: torch.Tensor, gram: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:
+def _colluding(parts: torch.Tensor, gram: torch.Tensor, aggregate: torch.Tensor,
+               caught: frozenset[int]) -> frozenset[int]:
     # A part shorter than a code block (a small model's norm gains: hivemind makes each tensor its own part) goes
     # as signs and one scale, and its values move alike on every peer: honest parts of 64-128 values coincided
     # byte for byte in a swarm's first round (5 of 11 peers flagged), those of 256 and more never came closer than
@@ -268,13 +275,17 @@ def _colluding(parts: torch.Tensor, gram: torch.Tensor, aggregate: torch.Tensor)
     # with an outlier (a peer out of step, say); most peers in close pairs are an honest group whose updates
     # hardly differ (16 peers trained on one repeated sentence flagged most of one another so, and banned 11 of
     # them within seven rounds): neither is collusion.
-    suspect = close.any(dim=1)
-    if 2 * int(suspect.sum()) >= parts.shape[0]:
-        return frozenset()
-    return frozenset(int(i) for i in torch.nonzero(suspect).flatten())
+    suspects = frozenset(int(i) for i in torch.nonzero(close.any(dim=1)).flatten())
+    return suspects if _flaggable(suspects, parts.shape[0], caught) else frozenset()
 
 
-def _one_sided(parts: torch.Tensor, lean: torch.Tensor, aggregate: torch.Tensor) -> frozenset[int]:
+def _flaggable(suspects: frozenset[int], n: int, caught: frozenset[int]) -> bool:
+    """Whether these parts may be flagged together: a minority of the `n`, or all from caught senders."""
+    return bool(suspects) and (2 * len(suspects) < n or suspects <= caught)
+
+
+def _one_sided(parts: torch.Tensor, lean: torch.Tensor, aggregate: torch.Tensor,
+               caught: frozenset[int]) -> frozenset[int]:
     n = parts.shape[0]
     if n < 3 or parts.shape[1] < ONE_SIDED_MIN_VALUES:
         return frozenset()
@@ -287,7 +298,7 @@ def _one_sided(parts: torch.Tensor, lean: torch.Tensor, aggregate: torch.Tensor)
     even = parts / norms.clamp(min=torch.finfo(parts.dtype).tiny) * norms.median()
     lean = _lean(even.sub_(coordinate_median(even)))
     for side in (lean > 0, lean < 0):
-        members = torch.nonzero(side).flatten().tolist()
-        if members and 2 * len(members) < n and all(judged[i] and abs(float(lean[i])) > ONE_SIDED for i in members):
-            return frozenset(members)
+        members = frozenset(torch.nonzero(side).flatten().tolist())
+        if _flaggable(members, n, caught) and all(judged[i] and abs(float(lean[i])) > ONE_SIDED for i in members):
+            return members
     return frozenset()

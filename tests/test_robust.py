@@ -160,6 +160,22 @@ def test_a_little_is_enough_pair_is_flagged_as_colluding_and_left_out(honest_cou
     assert relative(result.aggregate, honest_mean) < 1e-5
 
 
+@pytest.mark.parametrize("honest_count", [1, 2])
+def test_colluders_half_or_more_of_a_group_are_flagged_once_caught_before(honest_count):
+    """2 + 2, or both colluders with one honest peer: from inside, a pair is the group's normal, so nothing is
+    flagged; once this peer has caught them in an earlier round, they get no such benefit of the doubt."""
+    honest = honest_updates(honest_count, seed=2)
+    attack = onebit(alie(honest_updates(3, seed=3)))
+    parts = torch.stack([*honest, attack, attack])
+    tokens = torch.full((len(parts),), 1000.0)
+    assert not robust_aggregate(parts, tokens).flagged
+    colluders = frozenset({honest_count, honest_count + 1})
+    assert not robust_aggregate(parts, tokens, caught=frozenset({honest_count})).flagged  # one caught: no
+    result = robust_aggregate(parts, tokens, caught=colluders)
+    assert result.colluding == colluders
+    assert relative(result.aggregate, torch.stack(honest).mean(dim=0)) < 1e-5
+
+
 def test_a_group_of_honest_peers_in_close_pairs_flags_nobody():
     """Where updates hardly differ (a model with little left to learn from a text of a few distinct windows),
     most peers have a near twin: that is the group's normal, not collusion (a pair among independent updates
@@ -169,6 +185,7 @@ def test_a_group_of_honest_peers_in_close_pairs_flags_nobody():
     twins = [common + torch.randn(D, generator=generator) for _ in range(8)]
     parts = torch.stack([onebit(twin + 0.05 * torch.randn(D, generator=generator)) for twin in twins for _ in (0, 1)])
     assert not robust_aggregate(parts, torch.full((16,), 1000.0)).flagged
+    assert not robust_aggregate(parts, torch.full((16,), 1000.0), caught=frozenset({0, 1})).flagged  # the rest too
 
 
 def test_honest_peers_first_round_updates_are_never_taken_for_colluders(text_file):
