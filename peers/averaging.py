@@ -745,6 +745,10 @@ class SwarmAverager(AveragerBase):
             self._reputation.record_round(rejected)
             self._banned_count.fill_(len(self._reputation.banned))
 
+    def _caught_among(self, peer_ids: Sequence[PeerID]) -> frozenset[PeerID]:
+        caught = self._reputation.caught
+        return frozenset(peer for peer in peer_ids if peer.to_base58() in caught)
+
     def _is_banned(self, peer_id: PeerID) -> bool:
         return self._reputation.is_banned(peer_id.to_base58())
 
@@ -794,7 +798,7 @@ class SwarmAverager(AveragerBase):
                 group_tokens=[_declared_tokens(item) for item in declared],
                 out_of_step=_out_of_step(group_info.peer_ids, declared),
                 banned=frozenset(peer for peer in group_info.peer_ids if self._is_banned(peer)),
-                caught=frozenset(peer for peer in group_info.peer_ids if peer.to_base58() in self._reputation.caught),
+                caught=self._caught_among(group_info.peer_ids),
                 p2p=self.p2p,
                 servicer_type=type(self),
                 prefix=self.prefix,
