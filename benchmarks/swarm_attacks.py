@@ -81,7 +81,7 @@ def run_swarm(args, attack: str, honest: int, attackers: int, work: Path) -> dic
         address = _wait_for(bootstrap_log, r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", bootstrap)
         for i in range(peers):
             is_attacker = i >= honest
-            env = dict(PEER_ENV)
+            env = dict(PEER_ENV, **({"HIVEMIND_LOGLEVEL": "DEBUG"} if args.verbose else {}))
             if is_attacker or attack == "mean":
                 env.update(TSCALE_ATTACK="plain_mean" if attack == "mean" else attack,
                            TSCALE_ATTACK_DIR=str(work / "colluders"))
@@ -89,7 +89,8 @@ def run_swarm(args, attack: str, honest: int, attackers: int, work: Path) -> dic
                 program = [sys.executable, str(ATTACKS_SCRIPT)]
             else:
                 program = [sys.executable, "-m", "tscale_p2p.cli"]
-            command = [*program, "join", "--out", str(work / f"peer{i}"), "--name", f"peer{i}",
+            verbose = ["-v"] if args.verbose else []
+            command = [*program, *verbose, "join", "--out", str(work / f"peer{i}"), "--name", f"peer{i}",
                        "--initial-peers", address, *flags]
             processes.append(subprocess.Popen(command, stdout=open(logs[i], "wb"), stderr=subprocess.STDOUT, env=env,
                                               start_new_session=True))
@@ -162,6 +163,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each row (the table gives their mean): single runs differ by a few percent")
     parser.add_argument("--out", help="folder for the peer logs and results.json (default: a temporary one)")
+    parser.add_argument("--verbose", action="store_true", help="peers log at debug level (hivemind's too)")
     parser.add_argument("--aggregation-timing", action="store_true", help="time the rule on one part, then exit")
     args = parser.parse_args()
     if args.aggregation_timing:
