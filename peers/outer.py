@@ -22,17 +22,28 @@ fp32 CPU tensors, as `Trainer.snapshot()` gives them.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Mapping
 
 import torch
 
+log = logging.getLogger(__name__)
+
 Weights = dict[str, torch.Tensor]
+
+# An average longer than this times the outer momentum is taken as it is (lr 1, momentum untouched): usual rounds'
+# averages are 0.2-0.5 of it (4 peers, H=50, in process), one of a 400-step round 1.75. Such a round (a stalled
+# average, the trainer going on meanwhile) carries many rounds' progress at once: through Nesterov momentum it moves
+# the weights 1.7x that and carries it into the next steps too, which wrecked a clean swarm (benchmarks/RESULTS.md).
+OVERSIZED_AVERAGE = 1.0
 
 
 class OuterOptimizer:
     """Nesterov-momentum SGD on averaged pseudo-gradients, applied to the global weights it holds.
 
-    Uses `torch.optim.SGD(nesterov=True)`: momentum <- mu * momentum + g; weights -= lr * (g + mu * momentum).
+    Uses `torch.optim.SGD(nesterov=True)`: momentum <- mu * momentum + g; weights -= lr * (g + mu * momentum),
+    except for an average longer than `OVERSIZED_AVERAGE` times the momentum: weights -= g. Every peer of a group
+    holds the same average and momentum, so all take the same step.
     """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], lr: float = 0.7, momentum: float = 0.9):
@@ -48,12 +59,28 @@ class OuterOptimizer:
         if set(pseudo_gradient) != set(self.weights):
             missing, extra = set(self.weights) - set(pseudo_gradient), set(pseudo_gradient) - set(self.weights)
             raise ValueError(f"pseudo-gradient names differ: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}")
+        ratio = self._length_against_momentum(pseudo_gradient)
+        if ratio > OVERSIZED_AVERAGE:
+            log.info("outer step: the average is %.1fx the outer momentum's length (a round many times H long): "
+                     "applied as it is, without momentum", ratio)
+            for name, weight in self.weights.items():
+                weight.sub_(pseudo_gradient[name].detach().to(weight.dtype).cpu())
+            return self.weights
         for name, weight in self.weights.items():
             weight.grad = pseudo_gradient[name].detach().to(weight.dtype).cpu()
         self._optimizer.step()
         for weight in self.weights.values():
             weight.grad = None
         return self.weights
+
+    def _length_against_momentum(self, pseudo_gradient: Mapping[str, torch.Tensor]) -> float:
+        """|average| / |momentum| (0 before the first step, or without momentum)."""
+        buffers = [self._optimizer.state[w].get("momentum_buffer") for w in self.weights.values()]
+        if any(buffer is None for buffer in buffers):
+            return 0.0
+        momentum = sum(float(buffer.double().square().sum()) for buffer in buffers) ** 0.5
+        length = sum(float(g.detach().double().square().sum()) for g in pseudo_gradient.values()) ** 0.5
+        return length / momentum if momentum > 0 else 0.0
 
     def state_dict(self) -> dict:
         """A copy of the global weights and momentum: what a joining peer downloads to continue the run."""

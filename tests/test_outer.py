@@ -7,7 +7,9 @@ from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 
 
 def test_outer_step_is_nesterov_sgd():
-    w0, g1, g2 = torch.randn(5), torch.randn(5), torch.randn(5)
+    generator = torch.Generator().manual_seed(0)
+    w0, g1 = torch.randn(5, generator=generator), torch.randn(5, generator=generator)
+    g2 = 0.3 * torch.randn(5, generator=generator)  # a usual round's average: shorter than the momentum
     lr, mu = 0.7, 0.9
     outer = OuterOptimizer({"w": w0}, lr=lr, momentum=mu)
     outer.step({"w": g1})
@@ -16,6 +18,22 @@ def test_outer_step_is_nesterov_sgd():
     outer.step({"w": g2})
     momentum = mu * g1 + g2
     torch.testing.assert_close(outer.weights["w"], w1 - lr * (g2 + mu * momentum))
+
+
+def test_an_average_much_longer_than_the_momentum_is_taken_as_it_is_and_leaves_the_momentum_alone():
+    """A round many times H long (its average stalled while the trainer went on) carries many rounds' progress:
+    taken with Nesterov momentum it would move the weights 1.7x that, and on into the next steps."""
+    generator = torch.Generator().manual_seed(1)
+    w0, g1 = torch.randn(5, generator=generator), torch.randn(5, generator=generator)
+    lr, mu = 1.0, 0.7
+    outer = OuterOptimizer({"w": w0}, lr=lr, momentum=mu)
+    w1 = outer.step({"w": g1})["w"].clone()
+    oversized = 3 * g1.norm() * torch.nn.functional.normalize(torch.randn(5, generator=generator), dim=0)
+    w2 = outer.step({"w": oversized})["w"].clone()
+    torch.testing.assert_close(w2, w1 - oversized)
+    g3 = 0.3 * g1
+    outer.step({"w": g3})
+    torch.testing.assert_close(outer.weights["w"], w2 - lr * (g3 + mu * (mu * g1 + g3)))  # the momentum of g1 alone
 
 
 def test_state_dict_lets_a_joiner_continue_identically():
