@@ -18,6 +18,8 @@ with its averager altered by tests/attacks.py (the attacks live with the tests, 
 - two_faced_unsigned the same, with the true average's signature on every answer (no evidence of the lies)
 - alie               "A Little Is Enough": mean - 1 std of the honest updates it knows (its own last two)
 - alie_pair          two colluders sending mean - 1 std of their own two honest updates, the same vector
+- stall              honest, but its averager hangs 15 s as its 5th all-reduce begins (a laptop lid closed): not
+                     an attack to ban (network trouble never is), the row shows what one stalled round costs
 
 A row is `ATTACK:HONEST+ATTACKERS`, e.g. `sign_flip:3+1`; `clean:4` is four honest peers, `mean:4` four honest
 peers reducing with hivemind's weighted mean (the cost of the robust rule), `clean:3` the honest peers alone.
@@ -50,7 +52,7 @@ from swarm_convergence import PEER_ENV, _global_weights, _wait_for, val_loss
 ATTACKS_SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "attacks.py"
 DEFAULT_ROWS = ("clean:4,mean:4,clean:3,sign_flip:3+1,heavy_sign_flip:3+1,scaled:3+1,lying_reducer:3+1,"
                 "two_faced_reducer:3+1,two_faced_unsigned:3+1,alie:3+1,alie_pair:3+2,alie:2+1,sign_flip:2+1,heavy_sign_flip:2+1,"
-                "scaled:2+1,lying_reducer:2+1,two_faced_reducer:2+1,two_faced_unsigned:2+1")
+                "scaled:2+1,lying_reducer:2+1,two_faced_reducer:2+1,two_faced_unsigned:2+1,stall:3+1")
 
 
 def parse_row(row: str) -> tuple[str, int, int]:
@@ -180,10 +182,13 @@ def main() -> None:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="swarm-attacks-"))
     if out.is_dir() and any(out.iterdir()):  # a peer finds its checkpoint there and resumes instead of starting
         parser.error(f"--out {out} is not empty: give a new folder")
+    rows = args.rows.split(",")
+    if len(set(rows)) != len(rows):  # a row's peers would resume from the checkpoints of its earlier run
+        parser.error(f"--rows {args.rows} names a row twice: use --repeats")
     results: dict[str, list[dict]] = {}
     started = time.monotonic()
     for repeat in range(args.repeats):  # whole passes, so that a slow spell of the machine hits every row alike
-        for row in args.rows.split(","):
+        for row in rows:
             attack, honest, attackers = parse_row(row)
             began = time.monotonic()
             folder = out / f"{row.replace(':', '-').replace('+', '_')}{f'-{repeat}' if args.repeats > 1 else ''}"

@@ -10,6 +10,7 @@ colluders' shared folder) built into `join`'s averager:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from tscale_p2p.peers.span_agreement import DIGEST_BYTES, digest_message, signat
 
 ALIE_Z = 1.0  # "A Little Is Enough": shift each coordinate by this many standard deviations of the honest ones
 PATIENT_ROUNDS = 3  # a patient attacker sends honest updates for this many rounds first
+STALL_ROUND, STALL_S = 5, 15.0  # a stalling peer's averager hangs this long at the start of this all-reduce
 
 
 def alie(honest: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -162,8 +164,25 @@ class PlainMean(SwarmAverager):
 
 PlainMean.__name__ = "SwarmAverager"
 
+class StallingPeer(SwarmAverager):
+    """Honest, but its averager hangs STALL_S seconds as its STALL_ROUND-th all-reduce begins (a laptop lid
+    closed, a long pause): its groupmates drop it after their chunk timeout while every trainer runs on, so the
+    round that follows is several rounds long."""
+
+    allreduces = 0
+
+    async def run_allreduce(self, *args, **kwargs):
+        self.allreduces += 1
+        if self.allreduces == STALL_ROUND:
+            await asyncio.sleep(STALL_S)
+        return await super().run_allreduce(*args, **kwargs)
+
+
+StallingPeer.__name__ = "SwarmAverager"
+
 REDUCER_ATTACKS = {"lying_reducer": LyingReducer, "two_faced_reducer": TwoFacedReducer,
-                   "two_faced_unsigned": UnsignedTwoFacedReducer, "plain_mean": PlainMean}
+                   "two_faced_unsigned": UnsignedTwoFacedReducer, "plain_mean": PlainMean,
+                   "stall": StallingPeer}
 
 
 class _Colluder:
