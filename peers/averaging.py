@@ -1453,7 +1453,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         answers, buffers, signature = [], [], None  # the decoded averages, the bytes they came in, its signature
         refusal: Optional[InvalidContributionError] = None
         try:
-            async for message in aiter_with_timeout(stream, self.reducer_timeout):
+            async for message in self._answers(stream, peer_id):
                 self.traffic[_RECEIVED] += message.ByteSize()
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
@@ -1499,6 +1499,31 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         self.reply_digests[peer_index] = digest
         if peer_index in self.signed_copies:
             self.signed_replies[peer_index] = buffers
+
+    async def _answers(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                       peer_id: PeerID) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A reducer's answers, each within the reducer timeout; but one that has not begun sending us its own parts
+        within our sender timeout is given up then: its averager has not begun this all-reduce (stalled), so its
+        answers will not come either, and waiting the reducer timeout (twice as long) for them only lengthened the
+        round that every groupmate's trainer ran on through (a stall of 20 s: 300 steps, an oversized update)."""
+        answers = aiter_with_timeout(stream, self.reducer_timeout)
+        first = asyncio.ensure_future(anext(answers))
+        if self.sender_timeout is not None and self._expects_parts_from(peer_id):
+            await asyncio.wait({first}, timeout=self.sender_timeout)
+            if not first.done() and peer_id not in self.active_senders:
+                first.cancel()
+                raise TimeoutError(f"it sent us none of its parts in {self.sender_timeout:g} s")
+        try:
+            yield await first
+        except StopAsyncIteration:
+            return
+        async for message in answers:
+            yield message
+
+    def _expects_parts_from(self, peer_id: PeerID) -> bool:
+        """Whether `peer_id` sends us parts this round: we reduce a span, and it is a sender."""
+        own_span = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
+        return own_span > 0 and peer_id in self.sender_peer_ids
 
     def _points_away(self, answers: Sequence[torch.Tensor], sent_parts: Sequence[torch.Tensor]) -> bool:
         """Whether a span's averages point away from our parts of it, over the whole span (a part can be a few

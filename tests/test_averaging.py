@@ -451,6 +451,36 @@ def test_a_peer_killed_mid_round_does_not_stall_the_others(tmp_path):
             assert torch.equal(a, b)
 
 
+class Hangs(SwarmAverager):
+    """Its averager hangs `hang_s` as its all-reduce begins (a laptop lid closed), then touches `woke`."""
+
+    hang_s, woke = 25.0, ""
+
+    async def run_allreduce(self, *args, **kwargs):
+        await asyncio.sleep(self.hang_s)
+        Path(self.woke).touch()
+        return await super().run_allreduce(*args, **kwargs)
+
+
+def test_a_groupmate_that_never_begins_its_all_reduce_is_given_up_after_the_sender_timeout(tmp_path):
+    """Its span is not waited for until the reducer timeout (here longer than its hang): the others finish their
+    round while it still hangs, without its part or its span, on the same average. Their trainers run on through
+    every second of the round: a stalled round of 20 s was an update of 300 steps."""
+    woke = tmp_path / "woke"
+    hangs = type("SwarmAverager", (Hangs,), dict(woke=str(woke)))  # hivemind names RPC handlers after the class
+    grads, tokens = [random_grads(seed) for seed in range(3)], [1000.0] * 3
+    with swarm([OneBitCodec()] * 3, averager_type=[SwarmAverager, SwarmAverager, hangs], reducer_timeout=60.0,
+               allreduce_timeout=60.0) as averagers:
+        pending = [a.start_round(g, tokens=t) for a, g, t in zip(averagers, grads, tokens)]
+        outcomes = [p.result(timeout=40) for p in pending[:2]]
+        assert not woke.exists()
+        for outcome in outcomes:
+            assert outcome.group_size == 3 and outcome.dropped_peers == 1 and outcome.error is None
+            assert all(bool(torch.isfinite(t).all()) for t in outcome.averaged)
+        for a, b in zip(outcomes[0].averaged, outcomes[1].averaged):
+            assert torch.equal(a, b)
+
+
 def test_a_peer_alone_gets_no_average_within_the_round_timeout():
     with swarm([OneBitCodec()]) as (averager,):
         averager.round_timeout = 3.0
