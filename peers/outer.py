@@ -36,14 +36,18 @@ Weights = dict[str, torch.Tensor]
 # average, the trainer going on meanwhile) carries many rounds' progress at once: through Nesterov momentum it moves
 # the weights 1.7x that and carries it into the next steps too, which wrecked a clean swarm (benchmarks/RESULTS.md).
 OVERSIZED_AVERAGE = 1.0
+# Rounds the momentum must hold before the rule above applies: a momentum of one round is that round's average,
+# which the next one outgrows while the learning rate still warms up (it fired there, and again, the momentum
+# left as it was, the round after).
+MOMENTUM_ROUNDS_FOR_THE_RULE = 2
 
 
 class OuterOptimizer:
     """Nesterov-momentum SGD on averaged pseudo-gradients, applied to the global weights it holds.
 
     Uses `torch.optim.SGD(nesterov=True)`: momentum <- mu * momentum + g; weights -= lr * (g + mu * momentum),
-    except for an average longer than `OVERSIZED_AVERAGE` times the momentum: weights -= g. Every peer of a group
-    holds the same average and momentum, so all take the same step.
+    except for an average longer than `OVERSIZED_AVERAGE` times a momentum of two rounds or more: weights -= g.
+    Every peer of a group holds the same average, momentum and round, so all take the same step.
     """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], lr: float = 0.7, momentum: float = 0.9):
@@ -54,15 +58,18 @@ class OuterOptimizer:
         )
 
     @torch.no_grad()
-    def step(self, pseudo_gradient: Mapping[str, torch.Tensor]) -> Weights:
-        """Apply one outer step with the averaged pseudo-gradient; return the new global weights (not copies)."""
+    def step(self, pseudo_gradient: Mapping[str, torch.Tensor], momentum_rounds: int | None = None) -> Weights:
+        """Apply one outer step with the averaged pseudo-gradient; return the new global weights (not copies).
+        `momentum_rounds`: the rounds the momentum holds (the swarm's round number, the same on every peer in step;
+        None: enough for the oversized-average rule)."""
         if set(pseudo_gradient) != set(self.weights):
             missing, extra = set(self.weights) - set(pseudo_gradient), set(pseudo_gradient) - set(self.weights)
             raise ValueError(f"pseudo-gradient names differ: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}")
-        ratio = self._length_against_momentum(pseudo_gradient)
+        mature = momentum_rounds is None or momentum_rounds >= MOMENTUM_ROUNDS_FOR_THE_RULE
+        ratio = self._length_against_momentum(pseudo_gradient) if mature else 0.0
         if ratio > OVERSIZED_AVERAGE:
-            log.info("outer step: the average is %.1fx the outer momentum's length (a round many times H long): "
-                     "applied as it is, without momentum", ratio)
+            log.info("outer step: the average is %.1fx the outer momentum's length (a round many times H long, as "
+                     "after a stalled one): applied as it is, without momentum", ratio)
             for name, weight in self.weights.items():
                 weight.sub_(pseudo_gradient[name].detach().to(weight.dtype).cpu())
             return self.weights
@@ -109,12 +116,13 @@ class DelayedOuterStep:
         self.round_start: Weights = {name: w.clone() for name, w in outer.weights.items()}
 
     @torch.no_grad()
-    def apply_average(self, weights_now: Mapping[str, torch.Tensor], averaged: Mapping[str, torch.Tensor]) -> Weights:
+    def apply_average(self, weights_now: Mapping[str, torch.Tensor], averaged: Mapping[str, torch.Tensor],
+                      momentum_rounds: int | None = None) -> Weights:
         """The outer step with the previous round's average (this peer's own pseudo-gradient when it averaged with
-        nobody); returns the weights to continue from: the new global weights plus the progress made since this
-        round began."""
+        nobody; `momentum_rounds` as in `OuterOptimizer.step`); returns the weights to continue from: the new global
+        weights plus the progress made since this round began."""
         progress = self.local_progress(weights_now)
-        self.outer.step(averaged)
+        self.outer.step(averaged, momentum_rounds)
         self.round_start = {name: w.clone() for name, w in self.outer.weights.items()}
         return {name: self.round_start[name] - progress[name] for name in progress}
 

@@ -418,7 +418,7 @@ class SwarmPeer:
         outcome = flight.pending.result()
         average = flight.pseudo_gradient if outcome.averaged is None else dict(zip(self.names, outcome.averaged))
         with self._state_lock:
-            weights = self.rounds.apply_average(self.trainer.snapshot(), average)
+            weights = self.rounds.apply_average(self.trainer.snapshot(), average, momentum_rounds=self.round)
             self.round += 1
             self._fingerprint = self.weights_fingerprint()
         self.trainer.apply_outer_update(weights)
@@ -488,7 +488,7 @@ class SwarmPeer:
         progress = self.rounds.local_progress(self.trainer.snapshot())
         with self._state_lock:
             if plan is Resync.ADOPT_AND_STEP:  # the donor had not applied this round's average yet
-                self.outer.step(average)
+                self.outer.step(average, momentum_rounds=self.round)
                 self.round += 1
                 self._fingerprint = self.weights_fingerprint()
             self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}

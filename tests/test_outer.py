@@ -29,11 +29,23 @@ def test_an_average_much_longer_than_the_momentum_is_taken_as_it_is_and_leaves_t
     outer = OuterOptimizer({"w": w0}, lr=lr, momentum=mu)
     w1 = outer.step({"w": g1})["w"].clone()
     oversized = 3 * g1.norm() * torch.nn.functional.normalize(torch.randn(5, generator=generator), dim=0)
-    w2 = outer.step({"w": oversized})["w"].clone()
+    w2 = outer.step({"w": oversized}, momentum_rounds=5)["w"].clone()
     torch.testing.assert_close(w2, w1 - oversized)
     g3 = 0.3 * g1
-    outer.step({"w": g3})
+    outer.step({"w": g3}, momentum_rounds=6)
     torch.testing.assert_close(outer.weights["w"], w2 - lr * (g3 + mu * (mu * g1 + g3)))  # the momentum of g1 alone
+
+
+def test_the_second_round_outgrowing_the_first_is_a_nesterov_step():
+    """A momentum of one round is that round's average; the next one may be longer (a learning rate warming up)
+    without being a stalled round."""
+    w0, g1 = torch.zeros(5), torch.ones(5)
+    lr, mu = 1.0, 0.7
+    outer = OuterOptimizer({"w": w0}, lr=lr, momentum=mu)
+    w1 = outer.step({"w": g1}, momentum_rounds=0)["w"].clone()
+    g2 = 1.5 * g1
+    outer.step({"w": g2}, momentum_rounds=1)
+    torch.testing.assert_close(outer.weights["w"], w1 - lr * (g2 + mu * (mu * g1 + g2)))
 
 
 def test_state_dict_lets_a_joiner_continue_identically():
