@@ -546,6 +546,10 @@ class SwarmAverager(AveragerBase):
             raise
         scheduled, self._scheduled = self._scheduled, None
         if scheduled is not None and (scheduled.control.done() or scheduled.metadata != metadata):
+            # Said, because a group formed for it meanwhile would wait for us in vain (a suspect in rounds that
+            # stalled for the whole chunk timeout, one peer never sending, its trainer at full speed).
+            logger.info("dropping the round scheduled for this update (%s): looking for a group afresh",
+                        "it ended" if scheduled.control.done() else "it was for other global weights")
             cancel_step(scheduled.control)  # nobody to average with by now, or another base: start afresh
             scheduled = None
         if scheduled is None:
