@@ -291,6 +291,7 @@ def _flaggable(suspects: frozenset[int], n: int, caught: frozenset[int]) -> bool
 
 def _one_sided(parts: torch.Tensor, lean: torch.Tensor, aggregate: torch.Tensor,
                caught: frozenset[int]) -> frozenset[int]:
+    """The parts flagged as one-sided (see the module docstring); `lean` is theirs as `_clipped_mean` gave it."""
     n = parts.shape[0]
     if n < 3 or parts.shape[1] < ONE_SIDED_MIN_VALUES:
         return frozenset()

@@ -165,16 +165,19 @@ class PlainMean(SwarmAverager):
 PlainMean.__name__ = "SwarmAverager"
 
 class StallingPeer(SwarmAverager):
-    """Honest, but its averager hangs STALL_S seconds as its STALL_ROUND-th all-reduce begins (a laptop lid
-    closed, a long pause): its groupmates drop it after their chunk timeout while every trainer runs on, so the
-    round that follows is several rounds long."""
+    """Honest, but its averager hangs `stall_s` seconds as its `stall_round`-th all-reduce begins (a laptop lid
+    closed, a long pause), then touches the file `woke` if one is named: its groupmates drop it after their chunk
+    timeout while every trainer runs on, so the round that follows is several rounds long."""
 
+    stall_round, stall_s, woke = STALL_ROUND, STALL_S, ""
     allreduces = 0
 
     async def run_allreduce(self, *args, **kwargs):
         self.allreduces += 1
-        if self.allreduces == STALL_ROUND:
-            await asyncio.sleep(STALL_S)
+        if self.allreduces == self.stall_round:
+            await asyncio.sleep(self.stall_s)
+            if self.woke:
+                Path(self.woke).touch()
         return await super().run_allreduce(*args, **kwargs)
 
 

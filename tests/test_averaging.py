@@ -18,6 +18,7 @@ import hivemind
 import pytest
 import torch
 
+from attacks import StallingPeer
 from tscale_p2p.kernels.onebit import pack, unpack
 from tscale_p2p.peers.averaging import SwarmAverager, keep_tasks_until_done
 from tscale_p2p.peers.codec import BLOCK_SIZE, E8Codec, OneBitCodec, TopKCodec
@@ -451,23 +452,13 @@ def test_a_peer_killed_mid_round_does_not_stall_the_others(tmp_path):
             assert torch.equal(a, b)
 
 
-class Hangs(SwarmAverager):
-    """Its averager hangs `hang_s` as its all-reduce begins (a laptop lid closed), then touches `woke`."""
-
-    hang_s, woke = 25.0, ""
-
-    async def run_allreduce(self, *args, **kwargs):
-        await asyncio.sleep(self.hang_s)
-        Path(self.woke).touch()
-        return await super().run_allreduce(*args, **kwargs)
-
-
 def test_a_groupmate_that_never_begins_its_all_reduce_is_given_up_after_the_sender_timeout(tmp_path):
     """Its span is not waited for until the reducer timeout (here longer than its hang): the others finish their
     round while it still hangs, without its part or its span, on the same average. Their trainers run on through
     every second of the round: a stalled round of 20 s was an update of 300 steps."""
     woke = tmp_path / "woke"
-    hangs = type("SwarmAverager", (Hangs,), dict(woke=str(woke)))  # hivemind names RPC handlers after the class
+    # (hivemind names a peer's RPC handlers after its class)
+    hangs = type("SwarmAverager", (StallingPeer,), dict(stall_round=1, stall_s=25.0, woke=str(woke)))
     grads, tokens = [random_grads(seed) for seed in range(3)], [1000.0] * 3
     with swarm([OneBitCodec()] * 3, averager_type=[SwarmAverager, SwarmAverager, hangs], reducer_timeout=60.0,
                allreduce_timeout=60.0) as averagers:
