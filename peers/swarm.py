@@ -462,7 +462,7 @@ class SwarmPeer:
     def _resync(self, flight: _InFlight, consensus: Base, declarers: set[str], average: dict) -> None:
         """Our round was formed on other global weights than most of the group's (`consensus`, declared by
         `declarers`): download the swarm's state, bring it to where the group is after this round's average, and
-        keep our local progress on top."""
+        train on from there (our local progress since is dropped)."""
         log.warning(
             "round %d: our global weights (round %d, %s) differ from the group's (round %d, %s); downloading the "
             "swarm's state", flight.number, *flight.base, *consensus,
@@ -485,15 +485,14 @@ class SwarmPeer:
         if not self._load_state(*state):
             self._advertise_state()
             return
-        progress = self.rounds.local_progress(self.trainer.snapshot())
-        with self._state_lock:
-            if plan is Resync.ADOPT_AND_STEP:  # the donor had not applied this round's average yet
+        if plan is Resync.ADOPT_AND_STEP:  # the donor had not applied this round's average yet
+            with self._state_lock:
                 self.outer.step(average, momentum_rounds=self.round)
                 self.round += 1
                 self._fingerprint = self.weights_fingerprint()
-            self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
-        self.trainer.apply_outer_update({n: w - progress[n] for n, w in self.rounds.round_start.items()})
-        self._advertise_state()
+        # The steps made since our round ended went on weights the group had left: kept, they made our next
+        # update lie far from the group's, and its robust rule struck us for it (2 of 3 wrong strikes seen).
+        self._restart_round_from_global_weights()
         self.status.update(round=self.round)
         log.info("round %d: back in step with the swarm at round %d, weights %s", flight.number, self.round,
                  self._fingerprint)

@@ -92,6 +92,7 @@ class ScriptedAverager:
         self.downloads = 0
 
     def schedule_round(self, seconds_to_start, tokens, metadata=None, group_size=None, pair_partners=None) -> None:
+        assert tokens > 0  # as SwarmAverager's
         self.round_scheduled = True
 
     def cancel_scheduled_round(self) -> None:
@@ -257,7 +258,8 @@ def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_
         corpus, tmp_path, caplog, donor_applied_the_round):
     """Two of the three peers of round 1 declare other global weights than ours: the peer downloads the swarm's
     state, brings it to where the group is after the round's average (the donor may have applied it already, or
-    not yet), and its next round is formed on those weights."""
+    not yet), and trains on from those weights, its steps since the round ended dropped (made on weights the group
+    had left, they would make its next update lie far from the group's); its next round is formed on them."""
     generator = torch.Generator().manual_seed(1)
     theirs_before: dict[str, torch.Tensor] = {}
     average: dict[str, torch.Tensor] = {}
@@ -280,9 +282,14 @@ def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_
 
     peer = make_peer(corpus, tmp_path / "resync", rounds, donor=donor, max_steps=2 * H + 1)
     theirs_before.update({n: w + 0.01 * torch.randn(w.shape, generator=generator) for n, w in peer.outer.weights.items()})
+    trained_from: list[dict[str, torch.Tensor]] = []  # the weights the swarm gives the trainer, in order
+    apply_outer_update = peer.trainer.apply_outer_update
+    peer.trainer.apply_outer_update = lambda weights: (
+        trained_from.append({n: w.clone() for n, w in weights.items()}), apply_outer_update(weights))
     with caplog.at_level(logging.INFO, logger="tscale_p2p"):
         peer.run()
     expected = replay(theirs_before, [average], {n: 0.1 * torch.ones_like(w) for n, w in theirs_before.items()})
+    assert_same(trained_from[1], expected.weights)  # [0]: round 1's average on our own weights; [1]: the resync
     expected_base = {"round": 1, "weights": fingerprint(list(expected.weights.values()))}
     assert peer.averager.downloads == 1
     assert "differ from the group's (round 0" in caplog.text
