@@ -1206,7 +1206,9 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         self.codec, self.reducer_residual, self.max_norm_ratio, self.traffic = (
             codec, reducer_residual, max_norm_ratio, traffic
         )
-        self.out_of_step = out_of_step
+        # An out-of-step sender's flagged part is no strike, unless we caught it before: an attacker a banner's
+        # refusals kept out of step every other round was never struck again by the others (the "ALIE split").
+        self.unstruck_out_of_step = out_of_step - caught
         self.median_tokens = high_median(torch.tensor(list(group_tokens) or [self.weight], dtype=torch.float64))
         hivemind_reducer, self.tensor_part_reducer = self.tensor_part_reducer, self.part_reducer_type(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
@@ -1250,11 +1252,11 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
     @property
     def rejected(self) -> dict[PeerID, str]:
         """Groupmates caught this round (banned ones aside): parts refused, parts flagged by the robust rule
-        (unless their sender was out of step), and reducers whose averages failed our check. Network trouble is
+        (unless their sender was out of step and never caught before), and reducers whose averages failed our check. Network trouble is
         not in it."""
         flags = getattr(self.tensor_part_reducer, "flagged", {})
         flagged = {self.sender_peer_ids[i]: why for i, why in flags.items()
-                   if self.sender_peer_ids[i] not in self.out_of_step}
+                   if self.sender_peer_ids[i] not in self.unstruck_out_of_step}
         caught = {**flagged, **self._invalid}
         return {peer: why for peer, why in caught.items() if peer not in self.banned | {self.peer_id}}
 

@@ -351,6 +351,22 @@ def test_a_far_update_from_a_peer_out_of_step_is_left_out_but_earns_no_strike():
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_a_peer_caught_before_is_struck_for_a_far_update_though_out_of_step():
+    """Struck once in step, the same far update declared on other weights the next round is its second strike:
+    banned. (Exempt, an attacker that one banning peer's refusals kept out of step every other round was never
+    struck by the others again.)"""
+    group_base, other_base = {"round": 3, "weights": "cd19"}, {"round": 1, "weights": "883f"}
+    with swarm([OneBitCodec() for _ in range(4)], residual_carry=None) as averagers:
+        honest, attacker = averagers[:3], averagers[3]
+        for round_number, attacker_base in enumerate([group_base, other_base]):
+            grads = grads_of_round(round_number, 4)
+            far = [-10 * g for g in grads[3]]
+            play(averagers, grads[:3] + [far], [1000.0] * 4, group_size=4, bases=[group_base] * 3 + [attacker_base])
+        assert_banned_by_all(honest, [attacker])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_reducer_answering_minus_50x_loses_its_span_and_is_banned():
     """The honest peers refuse its span's average (they keep theirs for the next round) and never apply it;
     the rest of their average is the group's. Nobody is left stuck: after the ban they average on without it."""
