@@ -10,7 +10,7 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    never travels, so with a dense code (E8 words, signs) it is taken exactly. A reducer decodes every contribution
    and drops the sender for the round if it is not a well-formed message of the expected shape, is not finite, carries a
    non-positive weight, or has a norm above `max_norm_ratio` times the reducer's own part (times the sender's tokens
-   over ours, at most `TOKEN_ALLOWANCE_CAP`). What is left is not averaged but aggregated robustly (peers/robust.py:
+   over ours, at most `TOKEN_ALLOWANCE_CAP` or the group's median tokens over ours). What is left is not averaged but aggregated robustly (peers/robust.py:
    CenteredClip, token weights capped at the group's median, contributions opposed to most others', far from the
    group's or colluding left out). Senders check the averages they get back against the parts they sent
    (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose average could not come from an honest reducer
@@ -124,9 +124,10 @@ from tscale_p2p.peers.state_download import StateCheck, download_checked_state
 
 logger = logging.getLogger(__name__)
 
-# A contribution from k times our tokens may have up to k times the norm bound, k at most this: a peer just
-# past a state download (few tokens, a tiny pseudo-gradient) keeps the group's average, while a peer claiming a
-# huge token count still cannot send more than this times max_norm_ratio our norm.
+# A contribution from k times our tokens may have up to k times the norm bound, k at most this (or the group's
+# median tokens over ours, where that is more): a peer just past a state download (few tokens, a tiny
+# pseudo-gradient) keeps the group's average, while a peer claiming a huge token count still cannot send more than
+# this times max_norm_ratio our norm, unless most of the group trained on as many more tokens than us.
 TOKEN_ALLOWANCE_CAP = 10.0
 
 # A reducer's average of a part may be at most this times the norm of what we sent for it (or our span's norm
@@ -352,7 +353,8 @@ class SwarmAverager(AveragerBase):
       default, or `TopKCodec`); its settings travel on the wire, and a part in any other format or with other
       settings is refused
     :param max_norm_ratio: a contribution whose part norm exceeds this multiple of the reducer's own is dropped
-      (times the sender's tokens over ours, at most `TOKEN_ALLOWANCE_CAP`, where it trained on more)
+      (times the sender's tokens over ours, where it trained on more, at most `TOKEN_ALLOWANCE_CAP` or the
+      group's median tokens over ours)
     :param residual_carry: sender error feedback: the share of what this peer's 1-bit message could not carry
       that it adds to its next round's (1.0: plain error feedback; None: nothing kept). 0.5 ended level with
       no feedback from a cold start, where full feedback cost 1-3 points of validation loss, and ahead of both
@@ -1338,8 +1340,12 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
 
     def _norm_bound(self, own: float, tokens: float) -> float:
         """The largest norm accepted for a part from `tokens` tokens, ours being `own`."""
-        allowance = min(TOKEN_ALLOWANCE_CAP, max(1.0, tokens / self.weight)) if self.weight > 0 else 1.0
-        return self.max_norm_ratio * allowance * own
+        if self.weight <= 0:
+            return self.max_norm_ratio * own
+        # A joiner a step into its first round trained on 1/200 of the tokens of the peers whose round it joined
+        # late, with an update 10^4 times shorter: capped at 10, it refused (and struck) the run's founder.
+        cap = max(TOKEN_ALLOWANCE_CAP, self.median_tokens / self.weight)
+        return self.max_norm_ratio * min(cap, max(1.0, tokens / self.weight)) * own
 
     def _decode_contribution(self, serialized: runtime_pb2.Tensor, part_index: int, weight: float) -> torch.Tensor:
         if part_index >= len(self.parts_for_local_averaging):

@@ -408,6 +408,21 @@ def test_a_peer_a_few_steps_into_its_round_refuses_a_50x_answer_too():
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_a_joiner_one_step_into_its_first_round_takes_the_parts_of_peers_that_trained_whole_rounds():
+    """A joiner's first update, a step or two past its state download, can be 1,300 times shorter than those of
+    the peers whose round it joined late, which trained on 200 times its tokens (seen): no yardstick for their
+    norms. Their parts are taken and nobody is struck (a joiner struck a run's founder so)."""
+    tokens = [1e3, 2e5, 2e5]
+    with swarm([OneBitCodec() for _ in range(3)]) as averagers:
+        grads = grads_of_round(0, 3)
+        grads[0] = [g / 1700 for g in grads[0]]
+        for outcome in play(averagers, grads, tokens, group_size=3):
+            assert outcome.group_size == 3 and outcome.dropped_peers == 0
+        assert all(not averager.caught_peers(disputed=True) for averager in averagers)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_peer_whose_update_is_near_zero_in_one_part_takes_the_honest_average_of_it():
     """A peer 1-2 steps into its round can have an update some 50x shorter than the group's in one part (rows of
     an embedding it has barely touched) and a normal one elsewhere in the span. Its part is no reference for the
