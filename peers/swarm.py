@@ -168,6 +168,7 @@ class SwarmPeer:
             signed_run=signed_run, publish_every_s=publish_every_s,
         )
         self._tokens_in_round = 0
+        self._tokens_per_step = 0
         self._in_flight: _InFlight | None = None
         self._averaged_with: set[str] = set()  # in-step peers of rounds that averaged (pair partners, less the caught)
         self._rounds_alone = 0  # rounds in a row this peer has averaged with nobody
@@ -225,6 +226,7 @@ class SwarmPeer:
 
     def _restart_round_from_global_weights(self) -> None:
         """Drop local progress: the trainer and the current round start again from the global weights."""
+        self._tokens_in_round = 0  # the update no longer holds the steps that read them
         self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
         self.trainer.apply_outer_update(self.rounds.round_start)
         self._advertise_state()
@@ -286,6 +288,7 @@ class SwarmPeer:
                 session_steps += 1
                 steps_in_round += 1
                 self._tokens_in_round += stats.tokens
+                self._tokens_per_step = stats.tokens
                 self.report.tokens_contributed += stats.tokens
                 window_tokens += stats.tokens
                 window_steps += 1
@@ -296,7 +299,9 @@ class SwarmPeer:
                 epoch = self.round + (self._in_flight is not None)
                 steps_per_s = steps_in_round / (time.perf_counter() - round_start)
                 self.clock.update(epoch, steps_in_round, steps_per_s)
-                if self._in_flight is None and self.schedule.round_ends(epoch, steps_in_round):
+                # A round's steps all dropped at a resync just now hold nothing to share: it ends a step later.
+                round_over = self._in_flight is None and self.schedule.round_ends(epoch, steps_in_round)
+                if round_over and self._tokens_in_round:
                     self._end_round(time.perf_counter() - round_start)
                     steps_in_round, round_start = 0, time.perf_counter()
                 elif self._in_flight is None and not self.averager.round_scheduled:
@@ -316,7 +321,7 @@ class SwarmPeer:
             loop_end = time.perf_counter()
             if steps_in_round and not (should_stop() or self.status.stop_requested.is_set()):
                 self._drain()
-                if self._wait_for_the_swarms_round_end(steps_in_round, round_start):
+                if self._tokens_in_round and self._wait_for_the_swarms_round_end(steps_in_round, round_start):
                     # the run is over: average its last steps too (they would be lost otherwise)
                     self._end_round(time.perf_counter() - round_start)
         finally:
@@ -377,7 +382,10 @@ class SwarmPeer:
         seconds = self.schedule.matchmaking_lead(epoch, steps_in_round, steps_per_s, round_s)
         if seconds is None:
             return
-        expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
+        # Not extrapolated from the round's steps: a resync may have dropped the first of them.
+        expected_tokens = self._tokens_in_round + seconds * steps_per_s * self._tokens_per_step
+        if expected_tokens <= 0:
+            return
         self.averager.schedule_round(
             seconds, tokens=expected_tokens, metadata=self._base_metadata(),
             group_size=self.schedule.group_size(round_s + seconds), pair_partners=self._pair_partners(),
