@@ -255,11 +255,14 @@ class PendingRound:
 
     def give_up_if_alone(self, after_s: float) -> bool:
         """Cancel the round if it has been looking for a group for `after_s` seconds since it started (nobody to
-        average with); `result()` then reports it as averaged alone. True if it was cancelled."""
+        average with); `result()` then reports it as averaged alone. True if it was cancelled. Never while a group
+        is forming with this peer in it (`SwarmAverager.in_a_forming_group`)."""
         if self._control.done() or self._control.stage != AveragingStage.LOOKING_FOR_GROUP:
             return False
         if time.perf_counter() - self._started < after_s:
             return False
+        if self._averager.in_a_forming_group():
+            return False  # asked again at the next step: the group begins, or its leader gives up on it
         self._gave_up = cancel_step(self._control)
         return self._gave_up
 
@@ -738,6 +741,19 @@ class SwarmAverager(AveragerBase):
         logger.info("not averaging in a pair with %s, %s, while three or more peers train: looking for a larger "
                     "group", other, why)
         return f"a pair with {other}, {why}, while three or more peers train"
+
+    def in_a_forming_group(self) -> bool:
+        """Whether matchmaking has this peer in a group that has not begun: a leader accepted it, or it leads
+        followers. A round cancelled then leaves them waiting for its parts until their sender timeout, should the
+        group begin with it (the leader has not seen it leave): a stalled round, seen at a run's end, where a
+        peer the clock showed alone gave its round up as its one partner's pair formed."""
+        future = MPFuture()
+        self.run_in_averager_process("_in_a_forming_group", future=future)
+        return future.result()
+
+    async def _in_a_forming_group(self, future: MPFuture) -> None:
+        matchmaking = self._matchmaking
+        future.set_result(matchmaking.current_leader is not None or bool(matchmaking.current_followers))
 
     async def _banned_peers(self, future: MPFuture) -> None:
         future.set_result(dict(self._reputation.banned))

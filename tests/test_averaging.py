@@ -491,6 +491,22 @@ def test_a_peer_alone_gets_no_average_within_the_round_timeout():
         assert outcome.averaged is None and outcome.error == "nobody else looking for a group"
 
 
+@pytest.mark.timeout(90)
+def test_a_round_in_a_forming_group_is_not_given_up():
+    """Two peers looking for a group of three: once one leads the other, neither gives its round up however long it
+    has looked (cancelled, it would leave the other waiting for its parts), and the group begins as the leader's
+    matchmaking time ends, with both."""
+    with swarm([OneBitCodec(), OneBitCodec()], matchmaking_time=6.0) as averagers:
+        pending = [a.start_round(random_grads(i), tokens=100.0, group_size=3) for i, a in enumerate(averagers)]
+        deadline = time.monotonic() + 30
+        while not all(a.in_a_forming_group() for a in averagers):
+            assert time.monotonic() < deadline, "no group formed"
+            time.sleep(0.05)
+        assert not any(p.give_up_if_alone(after_s=0.0) for p in pending)
+        for outcome in [p.result(timeout=40) for p in pending]:
+            assert outcome.averaged is not None and outcome.group_size == 2 and outcome.dropped_peers == 0
+
+
 def test_bad_local_input_is_refused_before_anything_is_sent():
     with swarm([OneBitCodec()]) as (averager,):
         grads = random_grads(0)
