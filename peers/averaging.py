@@ -752,8 +752,7 @@ class SwarmAverager(AveragerBase):
         return future.result()
 
     async def _in_a_forming_group(self, future: MPFuture) -> None:
-        matchmaking = self._matchmaking
-        future.set_result(matchmaking.current_leader is not None or bool(matchmaking.current_followers))
+        future.set_result(self.matchmaking_holds_a_group())
 
     async def _banned_peers(self, future: MPFuture) -> None:
         future.set_result(dict(self._reputation.banned))
