@@ -168,7 +168,6 @@ class SwarmPeer:
             signed_run=signed_run, publish_every_s=publish_every_s,
         )
         self._tokens_in_round = 0
-        self._tokens_per_step = 0
         self._in_flight: _InFlight | None = None
         self._averaged_with: set[str] = set()  # in-step peers of rounds that averaged (pair partners, less the caught)
         self._rounds_alone = 0  # rounds in a row this peer has averaged with nobody
@@ -226,7 +225,6 @@ class SwarmPeer:
 
     def _restart_round_from_global_weights(self) -> None:
         """Drop local progress: the trainer and the current round start again from the global weights."""
-        self._tokens_in_round = 0  # the update no longer holds the steps that read them
         self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
         self.trainer.apply_outer_update(self.rounds.round_start)
         self._advertise_state()
@@ -288,7 +286,6 @@ class SwarmPeer:
                 session_steps += 1
                 steps_in_round += 1
                 self._tokens_in_round += stats.tokens
-                self._tokens_per_step = stats.tokens
                 self.report.tokens_contributed += stats.tokens
                 window_tokens += stats.tokens
                 window_steps += 1
@@ -299,9 +296,7 @@ class SwarmPeer:
                 epoch = self.round + (self._in_flight is not None)
                 steps_per_s = steps_in_round / (time.perf_counter() - round_start)
                 self.clock.update(epoch, steps_in_round, steps_per_s)
-                # A round's steps all dropped at a resync just now hold nothing to share: it ends a step later.
-                round_over = self._in_flight is None and self.schedule.round_ends(epoch, steps_in_round)
-                if round_over and self._tokens_in_round:
+                if self._in_flight is None and self.schedule.round_ends(epoch, steps_in_round):
                     self._end_round(time.perf_counter() - round_start)
                     steps_in_round, round_start = 0, time.perf_counter()
                 elif self._in_flight is None and not self.averager.round_scheduled:
@@ -321,7 +316,7 @@ class SwarmPeer:
             loop_end = time.perf_counter()
             if steps_in_round and not (should_stop() or self.status.stop_requested.is_set()):
                 self._drain()
-                if self._tokens_in_round and self._wait_for_the_swarms_round_end(steps_in_round, round_start):
+                if self._wait_for_the_swarms_round_end(steps_in_round, round_start):
                     # the run is over: average its last steps too (they would be lost otherwise)
                     self._end_round(time.perf_counter() - round_start)
         finally:
@@ -382,10 +377,7 @@ class SwarmPeer:
         seconds = self.schedule.matchmaking_lead(epoch, steps_in_round, steps_per_s, round_s)
         if seconds is None:
             return
-        # Not extrapolated from the round's steps: a resync may have dropped the first of them.
-        expected_tokens = self._tokens_in_round + seconds * steps_per_s * self._tokens_per_step
-        if expected_tokens <= 0:
-            return
+        expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
         self.averager.schedule_round(
             seconds, tokens=expected_tokens, metadata=self._base_metadata(),
             group_size=self.schedule.group_size(round_s + seconds), pair_partners=self._pair_partners(),
@@ -470,7 +462,7 @@ class SwarmPeer:
     def _resync(self, flight: _InFlight, consensus: Base, declarers: set[str], average: dict) -> None:
         """Our round was formed on other global weights than most of the group's (`consensus`, declared by
         `declarers`): download the swarm's state, bring it to where the group is after this round's average, and
-        train on from there (our local progress since is dropped)."""
+        keep our local progress on top."""
         log.warning(
             "round %d: our global weights (round %d, %s) differ from the group's (round %d, %s); downloading the "
             "swarm's state", flight.number, *flight.base, *consensus,
@@ -493,14 +485,15 @@ class SwarmPeer:
         if not self._load_state(*state):
             self._advertise_state()
             return
-        if plan is Resync.ADOPT_AND_STEP:  # the donor had not applied this round's average yet
-            with self._state_lock:
+        progress = self.rounds.local_progress(self.trainer.snapshot())
+        with self._state_lock:
+            if plan is Resync.ADOPT_AND_STEP:  # the donor had not applied this round's average yet
                 self.outer.step(average, momentum_rounds=self.round)
                 self.round += 1
                 self._fingerprint = self.weights_fingerprint()
-        # The steps made since our round ended went on weights the group had left: kept, they made our next
-        # update lie far from the group's, and its robust rule struck us for it (2 of 3 wrong strikes seen).
-        self._restart_round_from_global_weights()
+            self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
+        self.trainer.apply_outer_update({n: w - progress[n] for n, w in self.rounds.round_start.items()})
+        self._advertise_state()
         self.status.update(round=self.round)
         log.info("round %d: back in step with the swarm at round %d, weights %s", flight.number, self.round,
                  self._fingerprint)

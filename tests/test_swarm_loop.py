@@ -89,11 +89,9 @@ class ScriptedAverager:
         self.round_scheduled = False
         self.started: list[tuple[list[torch.Tensor], dict]] = []  # (pseudo-gradient, metadata) of each round
         self.pair_partners: list = []  # each round's pair_partners
-        self.tokens: list[float] = []  # each round's token count
         self.downloads = 0
 
     def schedule_round(self, seconds_to_start, tokens, metadata=None, group_size=None, pair_partners=None) -> None:
-        assert tokens > 0  # as SwarmAverager's
         self.round_scheduled = True
 
     def cancel_scheduled_round(self) -> None:
@@ -103,7 +101,6 @@ class ScriptedAverager:
         assert tokens > 0
         self.round_scheduled = False
         self.started.append(([t.clone() for t in pseudo_gradient], metadata))
-        self.tokens.append(tokens)
         self.pair_partners.append(pair_partners)
         return self.rounds(len(self.started), pseudo_gradient, metadata)
 
@@ -255,14 +252,12 @@ def test_the_runs_last_steps_are_averaged_when_the_swarm_made_h_steps_in_the_rou
     assert_same(peer.trainer.snapshot(), peer.outer.weights)  # nothing left unaveraged
 
 
-@pytest.mark.parametrize("donor_applied_the_round, steps_late", [(False, 1), (True, 1), (True, H)])
+@pytest.mark.parametrize("donor_applied_the_round", [False, True])
 def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_groups_base_next(
-        corpus, tmp_path, caplog, donor_applied_the_round, steps_late):
+        corpus, tmp_path, caplog, donor_applied_the_round):
     """Two of the three peers of round 1 declare other global weights than ours: the peer downloads the swarm's
     state, brings it to where the group is after the round's average (the donor may have applied it already, or
-    not yet), and trains on from those weights, its steps since the round ended dropped (made on weights the group
-    had left, they would make its next update lie far from the group's), and with them their tokens: a round due
-    to end as the average came (`steps_late` H) ends a step later; its next round is formed on those weights."""
+    not yet), and its next round is formed on those weights."""
     generator = torch.Generator().manual_seed(1)
     theirs_before: dict[str, torch.Tensor] = {}
     average: dict[str, torch.Tensor] = {}
@@ -272,7 +267,7 @@ def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_
             return ScriptedRound()  # given up: irrelevant here
         average.update(zip(peer.names, [0.5 * g for g in gradient]))
         theirs = {"round": 0, "weights": fingerprint(list(theirs_before.values()))}
-        return averaged_with_group(list(average.values()), [metadata, theirs, theirs], polls=steps_late - 1)
+        return averaged_with_group(list(average.values()), [metadata, theirs, theirs])
 
     def donor():
         weights, momentum = dict(theirs_before), {n: 0.1 * torch.ones_like(w) for n, w in theirs_before.items()}
@@ -283,18 +278,11 @@ def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_
         state = SwarmState(peer.run_hash, 1 if donor_applied_the_round else 0, 0, 0, weights, momentum, donor="peer-1")
         return state.to_wire()
 
-    peer = make_peer(corpus, tmp_path / "resync", rounds, donor=donor, max_steps=2 * H + 2)
+    peer = make_peer(corpus, tmp_path / "resync", rounds, donor=donor, max_steps=2 * H + 1)
     theirs_before.update({n: w + 0.01 * torch.randn(w.shape, generator=generator) for n, w in peer.outer.weights.items()})
-    trained_from: list[dict[str, torch.Tensor]] = []  # the weights the swarm gives the trainer, in order
-    apply_outer_update = peer.trainer.apply_outer_update
-    peer.trainer.apply_outer_update = lambda weights: (
-        trained_from.append({n: w.clone() for n, w in weights.items()}), apply_outer_update(weights))
     with caplog.at_level(logging.INFO, logger="tscale_p2p"):
         peer.run()
     expected = replay(theirs_before, [average], {n: 0.1 * torch.ones_like(w) for n, w in theirs_before.items()})
-    assert_same(trained_from[1], expected.weights)  # [0]: round 1's average on our own weights; [1]: the resync
-    assert f"applied {steps_late} steps into round 2" in caplog.text
-    assert peer.averager.tokens[1] == peer.averager.tokens[0] * max(H - steps_late, 1) / H
     expected_base = {"round": 1, "weights": fingerprint(list(expected.weights.values()))}
     assert peer.averager.downloads == 1
     assert "differ from the group's (round 0" in caplog.text
