@@ -130,6 +130,8 @@ logger = logging.getLogger(__name__)
 # this times max_norm_ratio our norm, unless most of the group trained on as many more tokens than us.
 TOKEN_ALLOWANCE_CAP = 10.0
 
+FAR_FROM_THE_GROUP = "a part far from the group's"  # the robust rule's verdict that an honest peer out of step can earn
+
 # A reducer's average of a part may be at most this times the norm of what we sent for it (or our span's norm
 # per value over the part's length, where that is more: `reference_norms`), times the median groupmate's tokens
 # over ours where that is more: the robust aggregate lies among the honest contributions, so it is no longer than
@@ -1176,7 +1178,7 @@ class _RobustPartReducer(TensorPartReducer):
         tokens = torch.tensor([contributions[i][1] for i in senders], dtype=torch.float64)
         result = robust_aggregate(parts, tokens, frozenset(k for k, i in enumerate(senders) if i in self.caught))
         for k in result.far:
-            self.flagged.setdefault(senders[k], "a part far from the group's")
+            self.flagged.setdefault(senders[k], FAR_FROM_THE_GROUP)
         for k in result.colluding:
             self.flagged.setdefault(senders[k], COLLUDING)
         for k in result.flipped:
@@ -1223,9 +1225,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         self.codec, self.reducer_residual, self.max_norm_ratio, self.traffic = (
             codec, reducer_residual, max_norm_ratio, traffic
         )
-        # An out-of-step sender's flagged part is no strike, unless we caught it before: an attacker a banner's
-        # refusals kept out of step every other round was never struck again by the others (the "ALIE split").
-        self.unstruck_out_of_step = out_of_step - caught
+        self.out_of_step, self.caught_senders = out_of_step, caught
         self.median_tokens = high_median(torch.tensor(list(group_tokens) or [self.weight], dtype=torch.float64))
         hivemind_reducer, self.tensor_part_reducer = self.tensor_part_reducer, self.part_reducer_type(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
@@ -1269,13 +1269,22 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
     @property
     def rejected(self) -> dict[PeerID, str]:
         """Groupmates caught this round (banned ones aside): parts refused, parts flagged by the robust rule
-        (unless their sender was out of step and never caught before), and reducers whose averages failed our check. Network trouble is
+        (unless their sender was out of step: `_strikes`), and reducers whose averages failed our check. Network trouble is
         not in it."""
         flags = getattr(self.tensor_part_reducer, "flagged", {})
         flagged = {self.sender_peer_ids[i]: why for i, why in flags.items()
-                   if self.sender_peer_ids[i] not in self.unstruck_out_of_step}
+                   if self._strikes(self.sender_peer_ids[i], why)}
         caught = {**flagged, **self._invalid}
         return {peer: why for peer, why in caught.items() if peer not in self.banned | {self.peer_id}}
+
+    def _strikes(self, sender: PeerID, why: str) -> bool:
+        """Whether a part the robust rule flagged counts against its sender. An out-of-step sender's update is
+        measured against other weights and may honestly lie far from the group's: no strike. Its other flags
+        (one-sided, flipped, colluding) are no such accident from a peer caught before: an ALIE attacker that one
+        banning peer's refusals kept out of step every other round was never struck by the others again."""
+        if sender not in self.out_of_step:
+            return True
+        return sender in self.caught_senders and why != FAR_FROM_THE_GROUP
 
     # -- reducer side --
 
