@@ -332,8 +332,9 @@ def _declared_metadata(gathered: Any) -> Any:
 def _out_of_step(peer_ids: Sequence[PeerID], declared: Sequence[Any]) -> frozenset:
     """Groupmates whose declared `metadata` (the base of their update, for the swarm) is not the one most of the
     group declared; all of them when no metadata has a strict majority. Their update is measured against other
-    weights, so it may honestly lie far from the group's: the robust rule still leaves it out, but it is no
-    strike. A liar declaring an odd base escapes strikes this way, not the robust rule."""
+    weights, so it may honestly lie far from the group's: the robust rule still leaves it out, but that is no
+    strike (`_OneBitAllReduceRunner._strikes`). A liar declaring an odd base escapes its first strike this way, not
+    the robust rule."""
     keys = [repr(_declared_metadata(item)) for item in declared]
     majority, count = Counter(keys).most_common(1)[0] if keys else (None, 0)
     if 2 * count <= len(keys):
