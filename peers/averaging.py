@@ -131,6 +131,7 @@ logger = logging.getLogger(__name__)
 TOKEN_ALLOWANCE_CAP = 10.0
 
 FAR_FROM_THE_GROUP = "a part far from the group's"  # the robust rule's verdict that an honest peer out of step can earn
+FAR_AND_AGAINST_THE_GROUP = "a part far from the group's, pointing against it"
 
 # A reducer's average of a part may be at most this times the norm of what we sent for it (or our span's norm
 # per value over the part's length, where that is more: `reference_norms`), times the median groupmate's tokens
@@ -1178,8 +1179,9 @@ class _RobustPartReducer(TensorPartReducer):
         parts = torch.stack([contributions[i][0].reshape(-1).float() for i in senders])
         tokens = torch.tensor([contributions[i][1] for i in senders], dtype=torch.float64)
         result = robust_aggregate(parts, tokens, frozenset(k for k, i in enumerate(senders) if i in self.caught))
-        for k in result.far:
-            self.flagged.setdefault(senders[k], FAR_FROM_THE_GROUP)
+        for k in result.far:  # against the group's result too, it is no honest update on other weights either
+            against = float(torch.dot(parts[k], result.aggregate.reshape(-1).float())) < 0
+            self.flagged.setdefault(senders[k], FAR_AND_AGAINST_THE_GROUP if against else FAR_FROM_THE_GROUP)
         for k in result.colluding:
             self.flagged.setdefault(senders[k], COLLUDING)
         for k in result.flipped:
@@ -1281,8 +1283,9 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
     def _strikes(self, sender: PeerID, why: str) -> bool:
         """Whether a part the robust rule flagged counts against its sender. An out-of-step sender's update is
         measured against other weights and may honestly lie far from the group's: no strike. Its other flags
-        (one-sided, flipped, colluding) are no such accident from a peer caught before: an ALIE attacker that one
-        banning peer's refusals kept out of step every other round was never struck by the others again."""
+        (one-sided, flipped, colluding, far and pointing against the group's result) are no such accident from a
+        peer caught before: an ALIE attacker that one banning peer's refusals kept out of step every other round
+        was never struck by the others again, nor a -10x flipper out of step after its first strike."""
         if sender not in self.out_of_step:
             return True
         return sender in self.caught_senders and why != FAR_FROM_THE_GROUP

@@ -351,12 +351,12 @@ def test_a_far_update_from_a_peer_out_of_step_is_left_out_but_earns_no_strike():
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("scale, banned", [(-1, True), (-10, False)], ids=["flipped", "far"])
+@pytest.mark.parametrize("scale, banned", [(-1, True), (-10, True), (10, False)], ids=["flipped", "far_flipped", "far"])
 def test_a_peer_caught_before_is_struck_out_of_step_for_what_no_honest_peer_out_of_step_sends(scale, banned):
     """Struck once in step, the same kind of update declared on other weights the next round: pointing against the
-    others' agreeing parts, it is the second strike (exempt, an ALIE attacker that one banning peer's refusals kept
-    out of step every other round was never struck by the others again); merely far from the group's, as an
-    honest update on other weights can be, it is not."""
+    others' agreeing parts, or far and against the group's result, it is the second strike (exempt, an ALIE attacker
+    that one banning peer's refusals kept out of step every other round was never struck by the others again);
+    merely far from the group's, as an honest update on other weights can be, it is not."""
     group_base, other_base = {"round": 3, "weights": "cd19"}, {"round": 1, "weights": "883f"}
     with swarm([OneBitCodec() for _ in range(4)], residual_carry=None) as averagers:
         honest, attacker = averagers[:3], averagers[3]
