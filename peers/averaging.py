@@ -10,10 +10,10 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    never travels, so with a dense code (E8 words, signs) it is taken exactly. A reducer decodes every contribution
    and drops the sender for the round if it is not a well-formed message of the expected shape, is not finite, carries a
    non-positive weight, or has a norm above `max_norm_ratio` times the reducer's own part (times the sender's tokens
-   over ours, at most `TOKEN_ALLOWANCE_CAP` or the group's median tokens over ours). What is left is not averaged but aggregated robustly (peers/robust.py:
-   CenteredClip, token weights capped at the group's median, contributions opposed to most others', far from the
-   group's or colluding left out). Senders check the averages they get back against the parts they sent
-   (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose average could not come from an honest reducer
+   over ours, at most `TOKEN_ALLOWANCE_CAP` or the group's median tokens over ours). What is left is not averaged
+   but aggregated robustly (peers/robust.py: CenteredClip, token weights capped at the group's median,
+   contributions opposed to most others', far from the group's or colluding left out). Senders check the averages
+   they get back against the parts they sent (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose average could not come from an honest reducer
    (-50x the average, or its opposite) fails as a whole.
 3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which
    differs per sender. Instead the reducer packs the mean once and sends the same bytes to everyone: the
@@ -1272,8 +1272,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
     @property
     def rejected(self) -> dict[PeerID, str]:
         """Groupmates caught this round (banned ones aside): parts refused, parts flagged by the robust rule
-        (unless their sender was out of step: `_strikes`), and reducers whose averages failed our check. Network trouble is
-        not in it."""
+        (unless their sender was out of step: `_strikes`), and reducers whose averages failed our check. Network
+        trouble is not in it."""
         flags = getattr(self.tensor_part_reducer, "flagged", {})
         flagged = {self.sender_peer_ids[i]: why for i, why in flags.items()
                    if self._strikes(self.sender_peer_ids[i], why)}
@@ -1371,7 +1371,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         if self.weight <= 0:
             return self.max_norm_ratio * own
         # A joiner a step into its first round trained on 1/200 of the tokens of the peers whose round it joined
-        # late, with an update 10^4 times shorter: capped at 10, it refused (and struck) the run's founder.
+        # late, with an update 1,300 times shorter: capped at 10, it refused (and struck) the run's founder.
         cap = max(TOKEN_ALLOWANCE_CAP, self.median_tokens / self.weight)
         return self.max_norm_ratio * min(cap, max(1.0, tokens / self.weight)) * own
 
