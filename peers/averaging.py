@@ -13,8 +13,8 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    over ours, at most `TOKEN_ALLOWANCE_CAP` or the group's median tokens over ours). What is left is not averaged
    but aggregated robustly (peers/robust.py: CenteredClip, token weights capped at the group's median,
    contributions opposed to most others', far from the group's or colluding left out). Senders check the averages
-   they get back against the parts they sent (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose average could not come from an honest reducer
-   (-50x the average, or its opposite) fails as a whole.
+   they get back against the parts they sent (`_OneBitAllReduceRunner._exchange_with_reducer`): a span whose
+   average could not come from an honest reducer (-50x the average, or its opposite) fails as a whole.
 3. **Return, 1-bit too.** hivemind would send every sender `mean - its own part`, compressed again, which
    differs per sender. Instead the reducer packs the mean once and sends the same bytes to everyone: the
    return trip is ~1 bit per value as well, and every peer of the group decodes the very same average.
