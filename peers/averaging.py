@@ -160,6 +160,12 @@ SPAN_AGREEMENT_TIMEOUT_S = 1.0
 # reply bytes, as many as its reducer's answer stream, from a peer that holds them in memory.
 SPAN_COPY_TIMEOUT_S = 5.0
 
+# An all-reduce whose own preparations (the pair rule, the pack) hold its first part longer than this, half the
+# sender timeout after which groupmates drop a silent sender, says so: a round stalled that way in
+# benchmarks/swarm_attacks.py (a lying_reducer:2+1 run, +13.7%) with no word in the logs of why. A stall without
+# this line began before the all-reduce (in hivemind: the trigger, the tensors' lock).
+SLOW_START_S = 5.0
+
 # Longest an all-reduce waits for the pair rule the host has just sent (it travels on hivemind's control pipe,
 # which the averager process reads between its tasks): milliseconds normally, seconds on a starved CPU.
 PAIR_RULE_WAIT_S = 5.0
@@ -809,10 +815,15 @@ class SwarmAverager(AveragerBase):
     ):
         """Replace `tensors` (this peer's pseudo-gradient) by the group's 1-bit average, or raise and change nothing."""
         group_id = group_info.group_id if group_id is None else group_id
+        began = time.monotonic()
         refused = await self._refused_pair(group_info)
+        ruled = time.monotonic()
         if self._outgoing is None:  # hivemind retries after a failed attempt, which rolled the residual back
             self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
         sent = await self._outgoing
+        if time.monotonic() - began > SLOW_START_S:
+            logger.info("this all-reduce sends its first part %.1f s late: %.1f s waiting for the pair rule, %.1f s "
+                        "for the pack", time.monotonic() - began, ruled - began, time.monotonic() - ruled)
         declared = self._declared(group_info)
         declarations = [_declared_key(item) for item in declared]
         keys = [bound_key(item, peer) for peer, item in zip(group_info.peer_ids, declarations)]
