@@ -33,12 +33,11 @@ answer): that peer refuses the span, which proves nothing to the others, and the
 **Signed copies travel.** Where some groupmates lost a signed span (no average, or one they refused) and all
 those that took it got the same bytes, nobody drops it: those that took it keep it, and the others fetch a copy
 from one of them (`copy_request`, `EvidenceBooks.relayed`), check its reducer's signature and take it as that
-reducer's own answer. A reducer that denies one groupmate a valid answer then costs the group nothing, nor does a
-groupmate claiming it refused a span, and a peer whose reducer timed out for it alone stays in step. A span that
-no groupmate but its reducer took is dropped by all: it rests on its reducer's word alone, and where a reducer
-that lied to everyone served its copy, some groupmates took it and others (that had banned it, or missed its
-digests) did not, so their weights parted. Without span keys a copy could be forged by whoever relays it, so
-unsigned spans are dropped as before.
+reducer's own answer. A span that no groupmate but its reducer took is dropped by all: it rests on its reducer's
+word alone, and where a reducer that lied to everyone served its copy, some groupmates took it and others (that
+had banned it, or missed its digests) did not, so their weights parted. A reducer that denies one groupmate a valid answer then costs the group nothing, nor does a
+groupmate claiming it refused a span, and a peer whose reducer timed out stays in step. Without span keys a copy
+could be forged by whoever relays it, so unsigned spans are dropped as before.
 """
 
 from __future__ import annotations
