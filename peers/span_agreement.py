@@ -33,9 +33,7 @@ answer): that peer refuses the span, which proves nothing to the others, and the
 **Signed copies travel.** Where some groupmates lost a signed span (no average, or one they refused) and all
 those that took it got the same bytes, nobody drops it: those that took it keep it, and the others fetch a copy
 from one of them (`copy_request`, `EvidenceBooks.relayed`), check its reducer's signature and take it as that
-reducer's own answer. A span that no groupmate but its reducer took is dropped by all: it rests on its reducer's
-word alone, and where a reducer that lied to everyone served its copy, some groupmates took it and others (that
-had banned it, or missed its digests) did not, so their weights parted. A reducer that denies one groupmate a valid answer then costs the group nothing, nor does a
+reducer's own answer. A reducer that denies one groupmate a valid answer then costs the group nothing, nor does a
 groupmate claiming it refused a span, and a peer whose reducer timed out stays in step. Without span keys a copy
 could be forged by whoever relays it, so unsigned spans are dropped as before.
 """
@@ -189,20 +187,16 @@ def believed(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]) ->
     return kept
 
 
-def recoverable_spans(peers: Sequence[PeerID], me: PeerID, mine: Sequence[bytes],
-                      theirs: Mapping[PeerID, Sequence[bytes]], signed: Sequence[bool]) -> dict[int, bytes]:
+def recoverable_spans(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]],
+                      signed: Sequence[bool]) -> dict[int, bytes]:
     """Spans (reducer indices -> digest) that some of us lost while everyone that took an average of it got the
-    same bytes, a groupmate other than its reducer among them, where the reducer signs its span (`signed`): kept
-    by those that took it, fetched by the others. `peers`: the group's reducers in order; `theirs`: believed
-    vectors."""
-    vectors = {**theirs, me: mine}
+    same bytes, where the reducer signs its span (`signed`): kept by those that took it, fetched by the others.
+    `theirs`: believed vectors."""
+    vectors = [mine, *theirs.values()]
     recoverable = {}
-    for index, (reducer, is_signed) in enumerate(zip(peers, signed)):
-        column = {peer: digests[index] for peer, digests in vectors.items()}
-        taken = set(column.values()) - {NO_AVERAGE, REFUSED}
-        held_by_another = any(digest in taken for peer, digest in column.items() if peer != reducer)
-        lost = any(digest in (NO_AVERAGE, REFUSED) for digest in column.values())
-        if is_signed and len(taken) == 1 and held_by_another and lost:
+    for index, is_signed in enumerate(signed):
+        taken = {digests[index] for digests in vectors} - {NO_AVERAGE, REFUSED}
+        if is_signed and len(taken) == 1 and any(digests[index] in (NO_AVERAGE, REFUSED) for digests in vectors):
             recoverable[index] = taken.pop()
     return recoverable
 

@@ -54,30 +54,17 @@ def test_a_span_is_dropped_when_a_groupmate_differs_on_it_alone():
 
 def test_a_signed_span_some_lost_is_kept_when_everyone_that_took_it_got_the_same_bytes():
     """Lost (0) or refused (-1) by some, one digest among those that took it, signed: kept, and fetched by the
-    rest. Two different digests, nobody missing it, no signature, or nobody but its reducer holding it: not
-    recoverable (dropped as before)."""
+    rest. Two different digests, nobody missing it, or no signature: not recoverable (dropped as before)."""
     signed = [True] * 4
-
-    def recoverable(mine, theirs, signed=signed):
-        return recoverable_spans(PEERS, PEERS[0], mine, theirs, signed)
-
     mine = vector(1, 2, 3, 4)
-    assert recoverable(mine, {PEERS[1]: vector(1, 2, -1, 4), PEERS[2]: vector(1, 2, 3, 4)}) == {
+    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, -1, 4), PEERS[2]: vector(1, 2, 3, 4)}, signed) == {
         2: span_digest([bytes([3])])}
-    assert recoverable(vector(1, 0, 3, 4), {PEERS[2]: vector(1, 2, 3, 4)}) == {1: span_digest([bytes([2])])}
-    assert recoverable(mine, {PEERS[1]: vector(1, 2, -1, 4), PEERS[2]: vector(1, 2, 9, 4)}) == {}
-    assert recoverable(mine, {PEERS[1]: vector(1, 2, 3, 4)}) == {}
-    assert recoverable(mine, {PEERS[1]: vector(1, 2, -1, 4)}, [True, True, False, True]) == {}
-    assert recoverable(vector(1, 2, 0, 4), {PEERS[1]: vector(1, 2, -1, 4)}) == {}  # nobody took it
-
-
-def test_a_span_only_its_reducer_took_is_not_recoverable():
-    """Everyone else lost reducer 1's span: its own copy is its word alone (a reducer that lied to all of us
-    holds the truth it signed), so nobody fetches it and every groupmate drops it alike."""
-    only_the_reducer = {PEERS[1]: vector(1, 2, 3, 4), PEERS[2]: vector(1, -1, 3, 4)}
-    assert recoverable_spans(PEERS, PEERS[0], vector(1, -1, 3, 4), only_the_reducer, [True] * 4) == {}
-    assert recoverable_spans(PEERS, PEERS[1], vector(1, 2, 3, 4), {PEERS[0]: vector(1, 0, 3, 4)}, [True] * 4) == {}
-    assert 1 in disputed_spans(vector(1, 2, 3, 4), {PEERS[0]: vector(1, 0, 3, 4)})  # so the reducer drops it too
+    assert recoverable_spans(vector(1, 0, 3, 4), {PEERS[1]: vector(1, 2, 3, 4)}, signed) == {
+        1: span_digest([bytes([2])])}
+    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, -1, 4), PEERS[2]: vector(1, 2, 9, 4)}, signed) == {}
+    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, 3, 4)}, signed) == {}
+    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, -1, 4)}, [True, True, False, True]) == {}
+    assert recoverable_spans(vector(1, 2, 0, 4), {PEERS[1]: vector(1, 2, -1, 4)}, signed) == {}  # nobody took it
 
 
 def test_a_signed_copy_is_relayed_only_to_a_groupmate_and_only_where_we_took_it():
