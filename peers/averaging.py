@@ -821,9 +821,10 @@ class SwarmAverager(AveragerBase):
         if self._outgoing is None:  # hivemind retries after a failed attempt, which rolled the residual back
             self._outgoing = asyncio.get_running_loop().run_in_executor(None, self._pack_with_error_feedback)
         sent = await self._outgoing
-        if time.monotonic() - began > SLOW_START_S:
+        packed = time.monotonic()
+        if packed - began > SLOW_START_S:
             logger.info("this all-reduce sends its first part %.1f s late: %.1f s waiting for the pair rule, %.1f s "
-                        "for the pack", time.monotonic() - began, ruled - began, time.monotonic() - ruled)
+                        "for the pack", packed - began, ruled - began, packed - ruled)
         declared = self._declared(group_info)
         declarations = [_declared_key(item) for item in declared]
         keys = [bound_key(item, peer) for peer, item in zip(group_info.peer_ids, declarations)]
