@@ -340,8 +340,8 @@ def _out_of_step(peer_ids: Sequence[PeerID], declared: Sequence[Any]) -> frozens
     """Groupmates whose declared `metadata` (the base of their update, for the swarm) is not the one most of the
     group declared; all of them when no metadata has a strict majority. Their update is measured against other
     weights, so it may honestly lie far from the group's: the robust rule still leaves it out, but that is no
-    strike (`_OneBitAllReduceRunner._strikes`). A liar declaring an odd base escapes its first strike this way, not
-    the robust rule."""
+    strike (`_OneBitAllReduceRunner._strikes`). A liar declaring an odd base is excused so for a few rounds at most
+    (`PeerReputation.excuse`), and never by the robust rule."""
     keys = [repr(_declared_metadata(item)) for item in declared]
     majority, count = Counter(keys).most_common(1)[0] if keys else (None, 0)
     if 2 * count <= len(keys):
@@ -776,6 +776,12 @@ class SwarmAverager(AveragerBase):
             self._reputation.record_round(rejected)
             self._banned_count.fill_(len(self._reputation.banned))
 
+    def _excused(self, peer_ids: Sequence[PeerID], out_of_step: frozenset) -> frozenset[PeerID]:
+        """The groupmates whose flagged parts earn no strike this round (`PeerReputation.excuse`)."""
+        groupmates = {peer.to_base58(): peer for peer in peer_ids if peer != self.peer_id}
+        excused = self._reputation.excuse(groupmates, {peer.to_base58() for peer in out_of_step})
+        return frozenset(groupmates[peer] for peer in excused)
+
     def _caught_among(self, peer_ids: Sequence[PeerID]) -> frozenset[PeerID]:
         caught = self._reputation.caught
         return frozenset(peer for peer in peer_ids if peer.to_base58() in caught)
@@ -833,7 +839,7 @@ class SwarmAverager(AveragerBase):
         try:
             runner = self._make_runner(
                 group_tokens=[_declared_tokens(item) for item in declared],
-                out_of_step=_out_of_step(group_info.peer_ids, declared),
+                excused=self._excused(group_info.peer_ids, _out_of_step(group_info.peer_ids, declared)),
                 banned=frozenset(peer for peer in group_info.peer_ids if self._is_banned(peer)),
                 caught=self._caught_among(group_info.peer_ids),
                 p2p=self.p2p,
@@ -1229,7 +1235,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         traffic: torch.Tensor,
         banned: frozenset = frozenset(),
         caught: frozenset = frozenset(),
-        out_of_step: frozenset = frozenset(),
+        excused: frozenset = frozenset(),
         signer: Optional[SpanSigner] = None,
         reducer_keys: Optional[Sequence[Optional[Ed25519PublicKey]]] = None,
         **kwargs,
@@ -1240,7 +1246,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         self.codec, self.reducer_residual, self.max_norm_ratio, self.traffic = (
             codec, reducer_residual, max_norm_ratio, traffic
         )
-        self.out_of_step, self.caught_senders = out_of_step, caught
+        self.excused, self.caught_senders = excused, caught
         self.median_tokens = high_median(torch.tensor(list(group_tokens) or [self.weight], dtype=torch.float64))
         hivemind_reducer, self.tensor_part_reducer = self.tensor_part_reducer, self.part_reducer_type(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
@@ -1293,12 +1299,13 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         return {peer: why for peer, why in caught.items() if peer not in self.banned | {self.peer_id}}
 
     def _strikes(self, sender: PeerID, why: str) -> bool:
-        """Whether a part the robust rule flagged counts against its sender. An out-of-step sender's update is
-        measured against other weights and may honestly lie far from the group's: no strike. Its other flags
-        (one-sided, flipped, colluding, far and pointing against the group's result) are no such accident from a
-        peer caught before: an ALIE attacker that one banning peer's refusals kept out of step every other round
-        was never struck by the others again, nor a -10x flipper out of step after its first strike."""
-        if sender not in self.out_of_step:
+        """Whether a part the robust rule flagged counts against its sender. An excused sender's update (out of step,
+        or just back in step: `PeerReputation.excuse`) is measured against other weights and may honestly lie far
+        from the group's: no strike. Its other flags (one-sided, flipped, colluding, far and pointing against the
+        group's result) are no such accident from a peer caught before: an ALIE attacker that one banning peer's
+        refusals kept out of step every other round was never struck by the others again, nor a -10x flipper out
+        of step after its first strike."""
+        if sender not in self.excused:
             return True
         return sender in self.caught_senders and why != FAR_FROM_THE_GROUP
 

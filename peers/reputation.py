@@ -7,16 +7,29 @@ volunteer is not an attacker. A peer rejected in `BAN_AFTER` rounds, or proven o
 averages of its span (`convict`, peers/span_agreement.py), is banned for the rest of the run, by this peer only
 (there is no swarm-wide list a liar could write to): its parts are left out, its spans' answers unused, and
 groups with it are refused where this peer leads them and skipped where it would follow.
+
+A groupmate out of step (declaring other global weights than most of its group) is excused: its update was made
+on other weights and may honestly lie far from the group's, so what the robust rule flags in it earns no strike
+(`excused`). So is one that was out of step in the last group it shared with this peer: its first update after a
+resync still carries the progress it made on the old weights, and a late starter's such part was struck as far
+and pointing against the group's. The excuse is rationed, since a peer chooses what it declares: one that claimed
+another base round after round was never struck for its flipped parts.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
 BAN_AFTER = 2  # rounds with a rejection; one could be bad luck at a threshold, two in one run are not
+# Rounds a groupmate is excused in, beyond one in EXCUSE_EVERY of the rounds it shared with us: an honest peer
+# needs two per resync (out of step, then its first round back), three when its first download fails; a liar
+# declaring another base every time is struck in all but a few.
+EXCUSED_ROUNDS = 3
+EXCUSE_EVERY = 4
 COLLUDING = "a part nearly the same as another sender's"  # the robust rule's verdict on a colluding pair's parts
 
 
@@ -30,6 +43,27 @@ class PeerReputation:
     # Reducers whose span a groupmate got another average of: no strike (the groupmate may be the liar), but
     # not trusted as a pair partner either (an unsigned two-faced reducer, told apart by nobody, was).
     disputed: set[str] = field(default_factory=set)
+    shared_rounds: dict[str, int] = field(default_factory=dict)  # groups a peer was in with us
+    excused_rounds: dict[str, int] = field(default_factory=dict)
+    out_of_step_last: set[str] = field(default_factory=set)  # out of step in the last group it shared with us
+
+    def excuse(self, groupmates: Iterable[str], out_of_step: Collection[str]) -> set[str]:
+        """Count a round with `groupmates`, `out_of_step` of them declaring other weights than the group; return
+        those excused in it (see the module's docstring)."""
+        excused = set()
+        for peer in groupmates:
+            shared = self.shared_rounds.get(peer, 0)
+            self.shared_rounds[peer] = shared + 1
+            if peer in out_of_step or peer in self.out_of_step_last:
+                used = self.excused_rounds.get(peer, 0)
+                if used < EXCUSED_ROUNDS + shared // EXCUSE_EVERY:
+                    self.excused_rounds[peer] = used + 1
+                    excused.add(peer)
+            if peer in out_of_step:
+                self.out_of_step_last.add(peer)
+            else:
+                self.out_of_step_last.discard(peer)
+        return excused
 
     def record_round(self, rejected: dict[str, str]) -> list[str]:
         """Count one strike for each peer rejected in a round (peer id -> why); return those banned by it.

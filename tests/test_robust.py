@@ -28,7 +28,7 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.codec import E8Codec, OneBitCodec
-from tscale_p2p.peers.reputation import COLLUDING, PeerReputation
+from tscale_p2p.peers.reputation import COLLUDING, EXCUSE_EVERY, PeerReputation
 from tscale_p2p.peers.robust import centered_clip, coordinate_median, robust_aggregate
 from tscale_p2p.trainer import Trainer
 
@@ -272,6 +272,21 @@ def test_colluders_flagged_in_the_round_one_of_them_is_banned_for_it_are_banned_
     assert "E" not in reputation.banned
 
 
+def test_a_peer_out_of_step_is_excused_then_and_in_its_next_round_but_not_round_after_round():
+    """An honest peer behind the group is excused in the round it is out of step and in its first one back (its
+    resync's stale progress), again at a later resync; one that declares other weights every round is excused in
+    its first three only, and in one of EXCUSE_EVERY rounds after: not enough to escape two strikes."""
+    reputation = PeerReputation()
+    assert reputation.excuse(["A", "B"], {"B"}) == {"B"}
+    assert reputation.excuse(["A", "B"], set()) == {"B"}  # back in step: the round after its resync
+    assert [reputation.excuse(["A", "B"], set()) for _ in range(6)] == [set()] * 6
+    assert reputation.excuse(["B"], {"B"}) == {"B"} and reputation.excuse(["B"], set()) == {"B"}  # a later resync
+    liar = PeerReputation()
+    excused = [liar.excuse(["L"], {"L"}) == {"L"} for _ in range(12)]
+    assert excused[:3] == [True] * 3 and sum(excused) <= 3 + 12 // EXCUSE_EVERY
+    assert excused[3:6].count(False) >= 2  # two rounds in which its flags strike: banned
+
+
 # ---- attackers in a real averaging group ----
 
 def grads_of_round(round_number: int, count: int) -> list[list[torch.Tensor]]:
@@ -334,19 +349,40 @@ def test_a_sender_attack_is_left_out_of_every_span_and_banned(attack, claimed):
 @pytest.mark.timeout(90)
 def test_a_far_update_from_a_peer_out_of_step_is_left_out_but_earns_no_strike():
     """A peer that declares other global weights than the group's (an honest peer before its resync) sends an
-    update measured against them, which may lie far from the others': left out of the average, never banned. The
-    same update declaring the group's base is banned after two rounds (test above)."""
+    update measured against them, which may lie far from the others': left out of the average, no strike. Nor is
+    its first update back on the group's base (a resync keeps the progress made on the old weights). The same
+    update declaring the group's base from the start is banned after two rounds (test above)."""
+    group_base, other_base = {"round": 3, "weights": "cd19"}, {"round": 1, "weights": "883f"}
     with swarm([OneBitCodec() for _ in range(4)], residual_carry=None) as averagers:
-        honest = averagers[:3]
-        bases = [{"round": 3, "weights": "cd19"}] * 3 + [{"round": 1, "weights": "883f"}]
-        for round_number in range(2):
+        honest, late = averagers[:3], averagers[3]
+        for round_number, late_base in enumerate([other_base, other_base, group_base]):
             grads = grads_of_round(round_number, 4)
             far = [-10 * g for g in grads[3]]
-            outcomes = play(averagers, grads[:3] + [far], [1000.0] * 4, group_size=4, bases=bases)[:3]
+            outcomes = play(averagers, grads[:3] + [far], [1000.0] * 4, group_size=4,
+                            bases=[group_base] * 3 + [late_base])[:3]
             want = expected_first_round(grads[:3], [1000.0] * 3, outcomes[0].averaged, others_reduce=True)
             for outcome in outcomes:
                 assert outcome.group_size == 4 and relative_error(outcome.averaged, want) < 1e-2
-        assert all(averager.banned_count == 0 for averager in honest)
+        assert all(not averager.caught_peers() for averager in honest)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_flipped_update_declared_on_other_weights_round_after_round_is_banned():
+    """A peer may declare any base: one that never declares the group's is excused only in its first rounds
+    (`PeerReputation.excuse`), then its -10x updates strike as anyone's. The honest peers' averages stay theirs."""
+    with swarm([OneBitCodec() for _ in range(4)], residual_carry=None) as averagers:
+        honest, attacker = averagers[:3], averagers[3]
+        bases = [{"round": 3, "weights": "cd19"}] * 3 + [{"round": 1, "weights": "883f"}]
+        for round_number in range(6):
+            grads = grads_of_round(round_number, 4)
+            flipped = [-10 * g for g in grads[3]]
+            outcomes = play(averagers, grads[:3] + [flipped], [1000.0] * 4, group_size=4, bases=bases)[:3]
+            if round_number < 3:
+                assert all(averager.banned_count == 0 for averager in honest)
+                want = expected_first_round(grads[:3], [1000.0] * 3, outcomes[0].averaged, others_reduce=True)
+                assert all(relative_error(outcome.averaged, want) < 1e-2 for outcome in outcomes)
+        assert_banned_by_all(honest, [attacker])
 
 
 @pytest.mark.slow
