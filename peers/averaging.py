@@ -99,7 +99,7 @@ from tscale_p2p.peers.hivemind_seam import (
     outputs_registered,
     parts_sent_to,
 )
-from tscale_p2p.peers.reputation import COLLUDING, PeerReputation
+from tscale_p2p.peers.reputation import COLLUDING, Excused, PeerReputation
 from tscale_p2p.peers.robust import high_median, robust_aggregate
 from tscale_p2p.peers.span_agreement import (
     NO_AVERAGE,
@@ -776,11 +776,11 @@ class SwarmAverager(AveragerBase):
             self._reputation.record_round(rejected)
             self._banned_count.fill_(len(self._reputation.banned))
 
-    def _excused(self, peer_ids: Sequence[PeerID], out_of_step: frozenset) -> frozenset[PeerID]:
-        """The groupmates whose flagged parts earn no strike this round (`PeerReputation.excuse`)."""
+    def _excused(self, peer_ids: Sequence[PeerID], out_of_step: frozenset) -> Excused:
+        """The groupmates excused some strikes this round (`PeerReputation.excuse`), as PeerIDs."""
         groupmates = {peer.to_base58(): peer for peer in peer_ids if peer != self.peer_id}
         excused = self._reputation.excuse(groupmates, {peer.to_base58() for peer in out_of_step})
-        return frozenset(groupmates[peer] for peer in excused)
+        return Excused(*({groupmates[peer] for peer in group} for group in excused))
 
     def _caught_among(self, peer_ids: Sequence[PeerID]) -> frozenset[PeerID]:
         caught = self._reputation.caught
@@ -1235,7 +1235,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         traffic: torch.Tensor,
         banned: frozenset = frozenset(),
         caught: frozenset = frozenset(),
-        excused: frozenset = frozenset(),
+        excused: Excused = Excused(set(), set()),
         signer: Optional[SpanSigner] = None,
         reducer_keys: Optional[Sequence[Optional[Ed25519PublicKey]]] = None,
         **kwargs,
@@ -1299,15 +1299,17 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         return {peer: why for peer, why in caught.items() if peer not in self.banned | {self.peer_id}}
 
     def _strikes(self, sender: PeerID, why: str) -> bool:
-        """Whether a part the robust rule flagged counts against its sender. An excused sender's update (out of step,
-        or just back in step: `PeerReputation.excuse`) is measured against other weights and may honestly lie far
-        from the group's: no strike. Its other flags (one-sided, flipped, colluding, far and pointing against the
-        group's result) are no such accident from a peer caught before: an ALIE attacker that one banning peer's
-        refusals kept out of step every other round was never struck by the others again, nor a -10x flipper out
-        of step after its first strike."""
-        if sender not in self.excused:
-            return True
-        return sender in self.caught_senders and why != FAR_FROM_THE_GROUP
+        """Whether a part the robust rule flagged counts against its sender. An excused sender's update out of step
+        (`PeerReputation.excuse`) is measured against other weights and may honestly lie far from the group's: no
+        strike. Its other flags (one-sided, flipped, colluding, far and pointing against the group's result) are no
+        such accident from a peer caught before: an ALIE attacker that one banning peer's refusals kept out of step
+        every other round was never struck by the others again, nor a -10x flipper out of step after its first
+        strike. Just back in step, a peer not caught before is excused a far part (its resync's stale progress)."""
+        if sender in self.excused.out_of_step:
+            return sender in self.caught_senders and why != FAR_FROM_THE_GROUP
+        if sender in self.excused.back_in_step:
+            return sender in self.caught_senders or why not in (FAR_FROM_THE_GROUP, FAR_AND_AGAINST_THE_GROUP)
+        return True
 
     # -- reducer side --
 

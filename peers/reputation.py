@@ -10,9 +10,9 @@ groups with it are refused where this peer leads them and skipped where it would
 
 A groupmate out of step (declaring other global weights than most of its group) is excused: its update was made
 on other weights and may honestly lie far from the group's, so what the robust rule flags in it earns no strike
-(`excused`). So is one that was out of step in the last group it shared with this peer: its first update after a
-resync still carries the progress it made on the old weights, and a late starter's such part was struck as far
-and pointing against the group's. The excuse is rationed, since a peer chooses what it declares: one that claimed
+(`excuse`). So is one that was out of step in the last group it shared with this peer, for a part far from the
+group's only: its first update after a resync still carries the progress it made on the old weights, and a late
+starter's such part was struck as far and pointing against the group's. The excuse is rationed, since a peer chooses what it declares: one that claimed
 another base round after round was never struck for its flipped parts.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,13 @@ BAN_AFTER = 2  # rounds with a rejection; one could be bad luck at a threshold, 
 EXCUSED_ROUNDS = 3
 EXCUSE_EVERY = 4
 COLLUDING = "a part nearly the same as another sender's"  # the robust rule's verdict on a colluding pair's parts
+
+
+class Excused(NamedTuple):
+    """Groupmates excused in a round: out of step in it, or back in step after it (`PeerReputation.excuse`)."""
+
+    out_of_step: set[str]
+    back_in_step: set[str]
 
 
 @dataclass
@@ -47,10 +55,10 @@ class PeerReputation:
     excused_rounds: dict[str, int] = field(default_factory=dict)
     out_of_step_last: set[str] = field(default_factory=set)  # out of step in the last group it shared with us
 
-    def excuse(self, groupmates: Iterable[str], out_of_step: Collection[str]) -> set[str]:
+    def excuse(self, groupmates: Iterable[str], out_of_step: Collection[str]) -> Excused:
         """Count a round with `groupmates`, `out_of_step` of them declaring other weights than the group; return
         those excused in it (see the module's docstring)."""
-        excused = set()
+        excused = Excused(set(), set())
         for peer in groupmates:
             shared = self.shared_rounds.get(peer, 0)
             self.shared_rounds[peer] = shared + 1
@@ -58,7 +66,7 @@ class PeerReputation:
                 used = self.excused_rounds.get(peer, 0)
                 if used < EXCUSED_ROUNDS + shared // EXCUSE_EVERY:
                     self.excused_rounds[peer] = used + 1
-                    excused.add(peer)
+                    (excused.out_of_step if peer in out_of_step else excused.back_in_step).add(peer)
             if peer in out_of_step:
                 self.out_of_step_last.add(peer)
             else:

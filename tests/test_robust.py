@@ -28,7 +28,7 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.codec import E8Codec, OneBitCodec
-from tscale_p2p.peers.reputation import COLLUDING, EXCUSE_EVERY, PeerReputation
+from tscale_p2p.peers.reputation import COLLUDING, EXCUSE_EVERY, Excused, PeerReputation
 from tscale_p2p.peers.robust import centered_clip, coordinate_median, robust_aggregate
 from tscale_p2p.trainer import Trainer
 
@@ -277,12 +277,13 @@ def test_a_peer_out_of_step_is_excused_then_and_in_its_next_round_but_not_round_
     resync's stale progress), again at a later resync; one that declares other weights every round is excused in
     its first three only, and in one of EXCUSE_EVERY rounds after: not enough to escape two strikes."""
     reputation = PeerReputation()
-    assert reputation.excuse(["A", "B"], {"B"}) == {"B"}
-    assert reputation.excuse(["A", "B"], set()) == {"B"}  # back in step: the round after its resync
-    assert [reputation.excuse(["A", "B"], set()) for _ in range(6)] == [set()] * 6
-    assert reputation.excuse(["B"], {"B"}) == {"B"} and reputation.excuse(["B"], set()) == {"B"}  # a later resync
+    assert reputation.excuse(["A", "B"], {"B"}) == Excused({"B"}, set())
+    assert reputation.excuse(["A", "B"], set()) == Excused(set(), {"B"})  # back in step: the round after its resync
+    assert [reputation.excuse(["A", "B"], set()) for _ in range(6)] == [Excused(set(), set())] * 6
+    assert reputation.excuse(["B"], {"B"}) == Excused({"B"}, set())  # a later resync
+    assert reputation.excuse(["B"], set()) == Excused(set(), {"B"})
     liar = PeerReputation()
-    excused = [liar.excuse(["L"], {"L"}) == {"L"} for _ in range(12)]
+    excused = [liar.excuse(["L"], {"L"}).out_of_step == {"L"} for _ in range(12)]
     assert excused[:3] == [True] * 3 and sum(excused) <= 3 + 12 // EXCUSE_EVERY
     assert excused[3:6].count(False) >= 2  # two rounds in which its flags strike: banned
 
