@@ -12,8 +12,8 @@ A groupmate out of step (declaring other global weights than most of its group) 
 on other weights and may honestly lie far from the group's, so what the robust rule flags in it earns no strike
 (`excuse`). So is one that was out of step in the last group it shared with this peer, for a part far from the
 group's only: its first update after a resync still carries the progress it made on the old weights, and a late
-starter's such part was struck as far and pointing against the group's. The excuse is rationed, since a peer chooses what it declares: one that claimed
-another base round after round was never struck for its flipped parts.
+starter's such part was struck as far and pointing against the group's. The excuse is rationed, since a peer
+chooses what it declares: one that claimed another base round after round was never struck for its flipped parts.
 """
 
 from __future__ import annotations
