@@ -783,6 +783,9 @@ class SwarmAverager(AveragerBase):
         future.set_result(self._reputation.caught | (self._reputation.disputed if disputed else set()))
 
     def _record_rejections(self, runner: "_OneBitAllReduceRunner") -> None:
+        for peer, why in runner.excused_flags.items():
+            logger.info("no strike for %s this round (%s): its update was made on other global weights, out of step "
+                        "or just back in step", peer, why)
         rejected = {peer.to_base58(): why for peer, why in runner.rejected.items()}
         if rejected:
             self._reputation.record_round(rejected)
@@ -1298,6 +1301,13 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
     def dropped_peers(self) -> set[PeerID]:
         """Groupmates lost so far: senders our span dropped (invalid, silent) and reducers that failed us."""
         return (self.banned_senders | self._failed_reducers) - {self.peer_id}
+
+    @property
+    def excused_flags(self) -> dict[PeerID, str]:
+        """Groupmates whose parts the robust rule flagged this round without a strike (`_strikes`), and why."""
+        flags = getattr(self.tensor_part_reducer, "flagged", {})
+        return {self.sender_peer_ids[i]: why for i, why in flags.items()
+                if not self._strikes(self.sender_peer_ids[i], why) and self.sender_peer_ids[i] not in self.banned}
 
     @property
     def rejected(self) -> dict[PeerID, str]:
