@@ -1250,7 +1250,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         traffic: torch.Tensor,
         banned: frozenset = frozenset(),
         caught: frozenset = frozenset(),
-        excused: Excused = Excused(set(), set()),
+        excused: Optional[Excused] = None,
         signer: Optional[SpanSigner] = None,
         reducer_keys: Optional[Sequence[Optional[Ed25519PublicKey]]] = None,
         **kwargs,
@@ -1261,7 +1261,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         self.codec, self.reducer_residual, self.max_norm_ratio, self.traffic = (
             codec, reducer_residual, max_norm_ratio, traffic
         )
-        self.excused, self.caught_senders = excused, caught
+        self.excused, self.caught_senders = excused or Excused(set(), set()), caught
         self.median_tokens = high_median(torch.tensor(list(group_tokens) or [self.weight], dtype=torch.float64))
         hivemind_reducer, self.tensor_part_reducer = self.tensor_part_reducer, self.part_reducer_type(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)

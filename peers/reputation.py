@@ -35,10 +35,11 @@ COLLUDING = "a part nearly the same as another sender's"  # the robust rule's ve
 
 
 class Excused(NamedTuple):
-    """Groupmates excused in a round: out of step in it, or back in step after it (`PeerReputation.excuse`)."""
+    """Groupmates excused in a round (peer ids): out of step in it, or back in step after it
+    (`PeerReputation.excuse`)."""
 
-    out_of_step: set[str]
-    back_in_step: set[str]
+    out_of_step: set
+    back_in_step: set
 
 
 @dataclass
