@@ -711,7 +711,7 @@ class SwarmAverager(AveragerBase):
         # hivemind's leader starts the all-reduce early only when its group reaches target_group_size; with the
         # swarm's size unknown it would always wait out the matchmaking window. It has no per-step setting.
         self.set_target_group_size(int(self._round_group_size) or self._target_group_size)
-        self.skip_leaders(self._skipped_leader)
+        self.skip_leaders(self._is_banned)  # it then follows no leader this peer has banned
         try:
             await super().run_step(step=step, future_for_init=future_for_init)
         finally:
@@ -723,18 +723,6 @@ class SwarmAverager(AveragerBase):
                 if not outgoing.cancelled() and outgoing.exception() is None:
                     self._undo_error_feedback(outgoing.result())
             self._step_finished.set()  # after the undo, which reads the pseudo-gradient buffers
-
-    def _skipped_leader(self, leader: PeerID) -> bool:
-        """Leaders this peer does not follow: those it banned, and, while it averages in a pair only with its
-        partners (`start_round`'s `pair_partners`), those it caught or holds disputed. Their group may begin as a
-        pair this peer refuses, and finding another group after it cost seconds of the round while every trainer
-        ran on (seen: a peer following an unsigned two-faced reducer, refusing their pair, then 12 s to find the
-        other honest peer, a round of 250 steps). As followers they can still join our groups."""
-        if self._is_banned(leader):
-            return True
-        peer = leader.to_base58()
-        suspect = peer in self._reputation.caught or peer in self._reputation.disputed
-        return suspect and self._pair_partners is not None
 
     async def _set_pair_partners(self, partners: Optional[frozenset[str]], version: int) -> None:
         self._pair_partners, self._pair_rule_held = partners, version
