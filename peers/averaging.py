@@ -919,7 +919,10 @@ class SwarmAverager(AveragerBase):
         for index in sorted(disputed_spans(mine, received)):
             if mine[index] in (NO_AVERAGE, REFUSED):
                 continue  # lost here already
-            self._reputation.disputed.add(peers[index].to_base58())
+            if any(digests[index] not in (mine[index], NO_AVERAGE) for digests in received.values()):
+                # Another average of it, or one refused: its reducer may have lied. A groupmate that lost the span
+                # says nothing of it, and counting that made honest reducers no pair partners of each other.
+                self._reputation.disputed.add(peers[index].to_base58())
             if index not in recoverable:  # (else those that lost it fetch our copy)
                 logger.info("dropping %s's span this round: a groupmate got another average of it", peers[index])
                 dropped[peers[index]] = runner.span_ranges(index)

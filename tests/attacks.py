@@ -22,7 +22,7 @@ from hivemind.averaging.partition import TensorPartReducer
 from hivemind.proto import averaging_pb2
 
 from tscale_p2p.peers.averaging import SwarmAverager, _OneBitAllReduceRunner
-from tscale_p2p.peers.span_agreement import DIGEST_BYTES, digest_message, signature_message, span_digest
+from tscale_p2p.peers.span_agreement import DIGEST_BYTES, NO_AVERAGE, digest_message, signature_message, span_digest
 
 ALIE_Z = 1.0  # "A Little Is Enough": shift each coordinate by this many standard deviations of the honest ones
 PATIENT_ROUNDS = 3  # a patient attacker sends honest updates for this many rounds first
@@ -126,13 +126,14 @@ class DisputingPeer(SwarmAverager):
     the group size): by default all of them, to make its group drop every span."""
 
     disputed: Callable[[int], range] = staticmethod(lambda group_size: range(group_size))
+    forged_digest: bytes = b"\xff" * DIGEST_BYTES
 
     async def _refused_pair(self, group_info) -> None:
         return None  # an attacker takes any pair
 
     async def _agree_on_spans(self, runner, group_id, sent):
         disputed = self.disputed(len(runner.reply_digests))
-        forged = [b"\xff" * DIGEST_BYTES if i in disputed else d for i, d in enumerate(runner.reply_digests)]
+        forged = [self.forged_digest if i in disputed else d for i, d in enumerate(runner.reply_digests)]
         for peer in runner.ordered_peer_ids:
             if peer != runner.peer_id:
                 await self._send_digests(peer, digest_message(group_id, forged))
@@ -149,6 +150,16 @@ class DisputingOnePeer(DisputingPeer):
 
 
 DisputingOnePeer.__name__ = "SwarmAverager"
+
+
+class LosingOnePeer(DisputingPeer):
+    """Reports the first span lost (no average of it), as a peer whose reducer timed out for it does."""
+
+    disputed = staticmethod(lambda group_size: range(1))
+    forged_digest = NO_AVERAGE
+
+
+LosingOnePeer.__name__ = "SwarmAverager"
 
 
 class _MeanRunner(_OneBitAllReduceRunner):

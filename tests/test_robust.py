@@ -17,6 +17,7 @@ from attacks import (
     DisputingOnePeer,
     DisputingPeer,
     FlippingReducer,
+    LosingOnePeer,
     LyingReducer,
     TwoFacedReducer,
     UnsignedTwoFacedReducer,
@@ -611,6 +612,24 @@ def test_groupmates_disputing_spans_cost_at_most_one_span_and_frame_nobody(dispu
                 want = flat(expected_first_round(grads, [1000.0] * count, outcomes[0].averaged))
                 assert relative(got[0][kept], want[kept]) < 1e-2
         assert all(averager.banned_count == 0 for averager in averagers[:3])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_a_groupmate_that_lost_a_span_leaves_its_reducer_trusted(signed):
+    """A groupmate reporting one span lost (its reducer timed out for it, say) makes no reducer a suspect: the
+    honest peers keep one another as pair partners. (Counted as a dispute, an attacker that lost one honest
+    reducer's span left the two honest peers of a 2 + 1 swarm refusing each other's pairs.)"""
+    with swarm([OneBitCodec() for _ in range(4)], averager_type=[SwarmAverager] * 3 + [LosingOnePeer],
+               part_size_bytes=64, identities=signed) as averagers:
+        honest = averagers[:3]
+        outcomes = play(averagers, grads_of_round(0, 4), [1000.0] * 4, group_size=4)[:3]
+        assert all(o.group_size == 4 for o in outcomes)
+        got = [flat(o.averaged) for o in outcomes]
+        assert all(torch.equal(g, got[0]) for g in got)
+        for averager in honest:
+            assert not {peer(a) for a in honest} & averager.caught_peers(disputed=True)
 
 
 @pytest.mark.slow
