@@ -118,6 +118,7 @@ from tscale_p2p.peers.span_agreement import (
     recoverable_spans,
     signature_message,
     span_digest,
+    took_another,
     verify_span,
 )
 from tscale_p2p.peers.state_download import StateCheck, download_checked_state
@@ -919,9 +920,9 @@ class SwarmAverager(AveragerBase):
         for index in sorted(disputed_spans(mine, received)):
             if mine[index] in (NO_AVERAGE, REFUSED):
                 continue  # lost here already
-            if any(digests[index] not in (mine[index], NO_AVERAGE) for digests in received.values()):
-                # Another average of it, or one refused: its reducer may have lied. A groupmate that lost the span
-                # says nothing of it, and counting that made honest reducers no pair partners of each other.
+            if any(took_another(mine[index], digests[index]) for digests in received.values()):
+                # Its reducer may have lied. (A lost span, counted too, made honest reducers no pair partners of
+                # each other.)
                 self._reputation.disputed.add(peers[index].to_base58())
             if index not in recoverable:  # (else those that lost it fetch our copy)
                 logger.info("dropping %s's span this round: a groupmate got another average of it", peers[index])
@@ -982,7 +983,7 @@ class SwarmAverager(AveragerBase):
         mine = runner.reply_digests
         for peer, digests in reported.items():
             shown = {index: copy for index, copy in runner.signed_copies.items()
-                     if digests[index] not in (mine[index], NO_AVERAGE)}
+                     if took_another(mine[index], digests[index])}
             if shown:
                 asyncio.ensure_future(self._call(peer, "rpc_span_evidence", evidence_message(group_id, shown)))
 
@@ -1297,8 +1298,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
     def excused_flags(self) -> dict[PeerID, str]:
         """Groupmates whose parts the robust rule flagged this round without a strike (`_strikes`), and why."""
         flags = getattr(self.tensor_part_reducer, "flagged", {})
-        return {self.sender_peer_ids[i]: why for i, why in flags.items()
-                if not self._strikes(self.sender_peer_ids[i], why) and self.sender_peer_ids[i] not in self.banned}
+        flagged = {self.sender_peer_ids[i]: why for i, why in flags.items()}
+        return {peer: why for peer, why in flagged.items() if peer not in self.banned and not self._strikes(peer, why)}
 
     @property
     def rejected(self) -> dict[PeerID, str]:

@@ -207,6 +207,12 @@ def copy_request(group_id: bytes, index: int) -> averaging_pb2.AveragingData:
         buffer=index.to_bytes(2, "little"), size=[2], dtype="uint8"))
 
 
+def took_another(ours: bytes, theirs: bytes) -> bool:
+    """Whether a groupmate's digest of a span says it took, or refused, another average than ours. One that lost
+    the span (`NO_AVERAGE`: its reducer timed out for it) says nothing of that reducer."""
+    return theirs not in (ours, NO_AVERAGE)
+
+
 def disputed_spans(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]) -> set[int]:
     """The spans (reducer indices) to drop: those where a groupmate's (believed) digests differ from ours."""
     return {i for digests in theirs.values() for i, (a, b) in enumerate(zip(mine, digests)) if a != b}

@@ -28,6 +28,7 @@ from tscale_p2p.peers.span_agreement import (
     read_digests,
     recoverable_spans,
     span_digest,
+    took_another,
     verify_span,
 )
 
@@ -50,6 +51,12 @@ def test_a_span_is_dropped_when_a_groupmate_differs_on_it_alone():
     assert disputed_spans(mine, {PEERS[1]: vector(1, 2, 3, 4)}) == set()
     assert disputed_spans(mine, {PEERS[1]: vector(1, 0, 3, 4), PEERS[2]: vector(1, 2, 3, 4)}) == {1}
     assert disputed_spans(mine, {PEERS[1]: vector(1, 0, 3, 4), PEERS[2]: vector(1, 2, 9, 4)}) == {1, 2}
+
+
+def test_only_another_average_or_a_refused_one_speaks_against_a_reducer():
+    ours, other, lost, refused = vector(1, 2, 0, -1)
+    assert took_another(ours, other) and took_another(ours, refused)
+    assert not took_another(ours, ours) and not took_another(ours, lost)
 
 
 def test_a_signed_span_some_lost_is_kept_when_everyone_that_took_it_got_the_same_bytes():
