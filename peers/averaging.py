@@ -712,7 +712,7 @@ class SwarmAverager(AveragerBase):
         # hivemind's leader starts the all-reduce early only when its group reaches target_group_size; with the
         # swarm's size unknown it would always wait out the matchmaking window. It has no per-step setting.
         self.set_target_group_size(int(self._round_group_size) or self._target_group_size)
-        self.skip_leaders(self._is_banned)  # it then follows no leader this peer has banned
+        self.skip_leaders(self._skipped_leader)
         try:
             await super().run_step(step=step, future_for_init=future_for_init)
         finally:
@@ -724,6 +724,19 @@ class SwarmAverager(AveragerBase):
                 if not outgoing.cancelled() and outgoing.exception() is None:
                     self._undo_error_feedback(outgoing.result())
             self._step_finished.set()  # after the undo, which reads the pseudo-gradient buffers
+
+    def _skipped_leader(self, leader: PeerID) -> bool:
+        """Leaders this peer does not follow: those it banned, and, while it averages in a pair only with its
+        partners (`start_round`'s `pair_partners`), those it holds disputed. A groupmate refused or got otherwise
+        the average such a reducer sent, so that groupmate has likely banned it, and then never joins its group:
+        the group stays a pair this peer refuses, and its search for another cost the round seconds while every
+        trainer ran on (seen: an unsigned two-faced reducer's pair refused again and again, a round of 250 steps).
+        As a follower such a peer can still join our group, and a peer only caught is still followed: a group of
+        three it leads is where the robust rule strikes it again (skipping those too left a 2 + 1 sign flip's
+        honest peers each leading a group the attacker alone joined, no second strike, and 2.51 val loss)."""
+        if self._is_banned(leader):
+            return True
+        return self._pair_partners is not None and leader.to_base58() in self._reputation.disputed
 
     async def _set_pair_partners(self, partners: Optional[frozenset[str]], version: int) -> None:
         self._pair_partners, self._pair_rule_held = partners, version

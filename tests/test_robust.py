@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.mpfuture import MPFuture
 from test_averaging import SHAPES, expected_first_round, onebit, relative_error, swarm
 from test_swarm import TINY, bootstrap_with_hivemind_dht, join_args, join_flags, shared_weights, spawn, text_file  # noqa: F401 (fixtures)
 
@@ -522,13 +524,31 @@ def test_a_reducer_telling_peers_different_averages_loses_its_span_on_every_hone
         assert_banned_by_all(honest, [liar])
 
 
+class _LeaderSkipReporting(SwarmAverager):
+    """An honest averager that says whether its matchmaking would pass over a leader."""
+
+    def skips_leader(self, leader: str) -> bool:
+        future = MPFuture()
+        self.run_in_averager_process("_report_skip", future=future, leader=leader)
+        return future.result(timeout=10)
+
+    async def _report_skip(self, future: MPFuture, leader: str) -> None:
+        future.set_result(self._skipped_leader(PeerID.from_base58(leader)))
+
+
+_LeaderSkipReporting.__name__ = "SwarmAverager"  # hivemind names a peer's RPC handlers after its class
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_an_unsigned_two_faced_reducer_costs_nothing_and_is_no_pair_partner_of_the_peer_it_told_the_truth():
     """2 honest peers + a reducer that lies to one of them and signs only the truth: the peer lied to takes the
     other's signed copy, so both apply the group's true average. The peer told the truth holds no evidence against
-    the reducer (no strike, no ban), but its span was disputed, so it is not trusted in a pair."""
-    kinds = [SwarmAverager] * 2 + [UnsignedTwoFacedReducer]
+    the reducer (no strike, no ban), but its span was disputed, so it is not trusted in a pair, and while it
+    averages in pairs only with partners it follows no group the reducer leads: the peer lied to, which bans the
+    reducer next round, would never join it, and the pair it stays would be refused. The peer lied to, which only
+    caught the reducer, still follows it: a group of three it leads is where it earns its second strike."""
+    kinds = [_LeaderSkipReporting] * 2 + [UnsignedTwoFacedReducer]
     with swarm([OneBitCodec() for _ in range(3)], averager_type=kinds, identities=True) as averagers:
         honest, liar = averagers[:2], averagers[2]
         grads = grads_of_round(0, 3)
@@ -542,6 +562,13 @@ def test_an_unsigned_two_faced_reducer_costs_nothing_and_is_no_pair_partner_of_t
         assert peer(liar) in told_the_truth.caught_peers(disputed=True)
         assert peer(liar) in lied_to.caught_peers()
         assert not told_the_truth.banned_peers()
+        assert not told_the_truth.skips_leader(peer(liar))  # a round that takes any pair follows anyone
+        for averager, partner in ((told_the_truth, lied_to), (lied_to, told_the_truth)):
+            averager.schedule_round(30.0, tokens=1000.0, pair_partners=[peer(partner)])
+        assert told_the_truth.skips_leader(peer(liar)) and not told_the_truth.skips_leader(peer(lied_to))
+        assert not lied_to.skips_leader(peer(liar))
+        for averager in honest:
+            averager.cancel_scheduled_round()
 
 
 @pytest.mark.slow
