@@ -236,7 +236,7 @@ def _join_swarm(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, sta
         log.info("%s (%s) training on %s, %s, %d CPU threads; peer id %s", name, options.run_id, identity.device,
                  trainer.precision, torch.get_num_threads(), peer_id)
         if options.swarm.min_peers > 1:
-            peer.schedule.live_at_start = wait_for_peers(peer, options.swarm.min_peers, should_stop)
+            peer.clock.live_at_start = wait_for_peers(peer, options.swarm.min_peers, should_stop)
         if not should_stop():
             peer.run(should_stop)
         if peer.wall_s > 0:
@@ -355,8 +355,8 @@ def download_state(peer: SwarmPeer, should_stop, timeout_s: float = 60.0) -> boo
 
 
 def wait_for_peers(peer: SwarmPeer, count: int, should_stop) -> int:
-    """Publish our record and wait until `count` live peers (us included) have theirs (--min-peers); how many
-    are live then (1 if stopped first)."""
+    """Publish our record and wait until `count` live peers (us included) have theirs (--min-peers); the peers to
+    expect in the first round then: `count`, not the records seen (which anyone can publish), or 1 if stopped first."""
     log.info("waiting for %d peers before training", count)
     while not should_stop():
         peer.metrics.publish(peer.record())
@@ -365,7 +365,7 @@ def wait_for_peers(peer: SwarmPeer, count: int, should_stop) -> int:
         live = {r.peer_id for r in peer.metrics.fetch() if r.updated_at > fresh} | {peer.identity.peer_id}
         if len(live) >= count:
             log.info("%d peers are live: training", len(live))
-            return len(live)
+            return count
         time.sleep(1.0)
     return 1
 

@@ -90,6 +90,9 @@ class RoundClock:
         self._others: list[Progress] = []  # the latest fetch, fresh records only
         self._confirmed: set[str] = set()  # peer ids met in an averaging group (or our state's donor)
         self._banned: set[str] = set()  # peer ids whose records count no more
+        # Peers seen live before training (join's --min-peers wait, from their metrics records): see `peers_in`.
+        self.live_at_start = 1
+        self._first_epoch: int | None = None  # the round this peer began training in
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="swarm-round-clock", daemon=True)
 
@@ -108,6 +111,8 @@ class RoundClock:
                 log.debug("round clock: last publish failed: %s", error)
 
     def update(self, epoch: int, steps: int, steps_per_s: float) -> None:
+        if self._first_epoch is None:
+            self._first_epoch = epoch
         self._mine = Progress(epoch, steps, steps_per_s, time.time())
 
     def round_done(self, epoch: int, steps: int) -> bool:
@@ -117,15 +122,22 @@ class RoundClock:
         return self.collective_steps(epoch, steps, time.time()) >= self.inner_steps * self.peers_in(epoch)
 
     def peers_in(self, epoch: int) -> int:
-        """Peers (this one included) whose steps count towards round `epoch`."""
-        return 1 + sum(1 for p in self._others if p.epoch >= epoch - 1)
+        """Peers (this one included) whose steps count towards round `epoch`; in this peer's first round at least
+        `live_at_start`. Peers started together begin training up to a second apart and publish progress only once
+        they train, so a peer's first round may end before it has read a later starter's record: it then counted
+        one peer fewer, ended the round at 3 x H steps instead of 4 x H, and its group (expecting as few) began
+        without the late starter, which averaged its next round out of step and downloaded the state."""
+        visible = 1 + sum(1 for p in self._others if p.epoch >= epoch - 1)
+        return max(visible, self.live_at_start) if epoch == self._first_epoch else visible
 
     def live_peers(self) -> int:
         """Peers (this one included) with a fresh record, whatever their round: the most a group can hold now.
         (`peers_in` would undercount when rounds are shorter than a record's period: records lag whole rounds.)
-        Once peers are confirmed, at most NEWCOMERS unconfirmed ones are expected on top of them."""
+        Once peers are confirmed, at most NEWCOMERS unconfirmed ones are expected on top of them; before, in this
+        peer's first round, at least `live_at_start`."""
         if not self._confirmed:
-            return 1 + len(self._others)
+            in_first_round = self._mine is None or self._mine.epoch == self._first_epoch
+            return max(1 + len(self._others), self.live_at_start if in_first_round else 1)
         confirmed = sum(1 for p in self._others if p.peer_id in self._confirmed)
         return 1 + confirmed + min(NEWCOMERS, len(self._others) - confirmed)
 

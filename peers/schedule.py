@@ -25,6 +25,7 @@ class SwarmClock(Protocol):
 
     inner_steps: int
     every_s: float
+    live_at_start: int
 
     def round_done(self, epoch: int, steps: int) -> bool: ...
 
@@ -88,7 +89,6 @@ class RoundSchedule:
 
     def __init__(self, clock: SwarmClock, matchmaking_time: float) -> None:
         self.clock, self.matchmaking_time = clock, matchmaking_time
-        self.live_at_start = 1  # peers `join` saw live before training (--min-peers), see `pair_partners`
 
     def round_ends(self, epoch: int, steps: int) -> bool:
         """Whether this peer's round `epoch` ends now, `steps` steps in: the swarm has made H steps per peer."""
@@ -130,11 +130,11 @@ class RoundSchedule:
         10^12-token sign flip destroyed the 2 + 1 swarm, benchmarks/RESULTS.md). With three or more live, a
         group of three holds an honest majority the robust rules act on, so it is worth waiting for.
 
-        Until this peer has averaged, `live_at_start` counts too: peers started together publish their clocks'
-        first records as they start, and a first round may be formed before this peer's clock has read any (an
-        attacker paired so in a 3 + 1 swarm's first round, and its poisoned weights then won the next group's
+        Until this peer has averaged, the clock's `live_at_start` counts too: peers started together publish their
+        clocks' first records as they start, and a first round may be formed before this peer's clock has read any
+        (an attacker paired so in a 3 + 1 swarm's first round, and its poisoned weights then won the next group's
         vote)."""
-        live = self.clock.live_peers() if averaged_with else max(self.clock.live_peers(), self.live_at_start)
+        live = self.clock.live_peers() if averaged_with else max(self.clock.live_peers(), self.clock.live_at_start)
         if live < 3 or rounds_alone >= PAIR_PATIENCE:
             return None
         return frozenset(averaged_with) - frozenset(caught)

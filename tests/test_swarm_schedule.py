@@ -115,11 +115,30 @@ def test_peers_seen_live_before_training_count_until_the_first_average():
     count meanwhile, so that round takes no pair with a stranger (an attacker paired so poisoned a 3 + 1 swarm,
     benchmarks/RESULTS.md); once this peer has averaged, its clock tells."""
     blind = RoundSchedule(clock_seeing(), 2.0)
+    blind.clock.update(0, 1, 1.0)
     assert blind.pair_partners(set(), set(), rounds_alone=0) is None
-    blind.live_at_start = 4
+    blind.clock.live_at_start = 4
     assert blind.pair_partners(set(), set(), rounds_alone=0) == frozenset()
+    blind.clock.update(1, 0, 1.0)  # its first round is over, averaged with b
     assert blind.pair_partners({"b"}, set(), rounds_alone=0) is None  # the clock sees one peer: a pair is all
     assert blind.pair_partners(set(), set(), rounds_alone=PAIR_PATIENCE) is None
+
+
+def test_a_first_round_counts_the_peers_seen_live_before_training_though_their_records_are_not_read_yet():
+    """4 peers started together, one a second later than the others: in their first round the early ones had not
+    read its progress record yet, ended the round at 3 x H steps and began their group without it (it then averaged
+    out of step and downloaded the state). The peers `join` saw live before training count in that round; from
+    the next one the records alone tell."""
+    now = time.time()
+    clock = clock_seeing(Progress(0, 10, 1.0, now, "b"), Progress(0, 10, 1.0, now, "c"))
+    clock.live_at_start = 4
+    clock.update(0, 10, 1.0)
+    schedule = RoundSchedule(clock, matchmaking_time=2.0)
+    assert not schedule.round_ends(0, 10) and schedule.group_size(round_s=10.0) == 4  # 30 steps of 4 x H = 40
+    assert schedule.round_ends(0, 20)
+    clock.update(1, 0, 1.0)
+    clock.observe([Progress(1, 10, 1.0, now, "b"), Progress(1, 10, 1.0, now, "c")])
+    assert schedule.round_ends(1, 10) and schedule.group_size(round_s=10.0) == 3
 
 
 def test_a_round_is_given_up_after_two_windows_only_when_nobody_else_trains_towards_it():
