@@ -107,6 +107,15 @@ class RoundSchedule:
             return None
         return seconds
 
+    def group_deadline(self, seconds_to_end: float) -> float:
+        """Seconds until the group of a round this peer expects to end in `seconds_to_end` seconds must begin: one
+        of the clock's record periods after that. Peers read each other's progress up to a period apart, so their
+        estimates of the same round's end differ by up to that much: a leader that closed its group at its own
+        estimate left out a peer whose round ended 0.25 s later, which then averaged a round out of step and
+        downloaded the state (benchmarks/swarm_attacks.py, at start-up). A group whose expected peers
+        (`group_size`) are all in begins at once."""
+        return seconds_to_end + self.clock.every_s
+
     def group_size(self, round_s: float) -> int | None:
         """The group to expect for a round that has lasted `round_s` seconds: every live peer the round clock
         sees, so that the average starts once they are all in, not when the matchmaking window closes (on the

@@ -14,7 +14,8 @@ peers/progress.py: all peers end it at about the same moment, so they meet in on
 previous round's average has arrived and been applied (checked after every step); while it has not, training
 simply goes on, so a slow round makes the next one longer instead of idling the device. Matchmaking begins one
 matchmaking window before the clock expects the round to end (`SwarmAverager.schedule_round`), so the group is
-formed by then and the average arrives one all-reduce later. Each round expects the peers the clock sees in it,
+formed by then and the average arrives one all-reduce later (a group still short of a peer waits for it one of the
+clock's record periods more: `RoundSchedule.group_deadline`). Each round expects the peers the clock sees in it,
 so its all-reduce starts as soon as they have all joined rather than when the window closes. A round that finds
 nobody, or fails, is applied with this peer's own pseudo-gradient: a lonely peer simply continues alone.
 
@@ -379,7 +380,7 @@ class SwarmPeer:
             return
         expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
         self.averager.schedule_round(
-            seconds, tokens=expected_tokens, metadata=self._base_metadata(),
+            self.schedule.group_deadline(seconds), tokens=expected_tokens, metadata=self._base_metadata(),
             group_size=self.schedule.group_size(round_s + seconds), pair_partners=self._pair_partners(),
         )
 
