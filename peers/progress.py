@@ -133,13 +133,16 @@ class RoundClock:
     def live_peers(self) -> int:
         """Peers (this one included) with a fresh record, whatever their round: the most a group can hold now.
         (`peers_in` would undercount when rounds are shorter than a record's period: records lag whole rounds.)
-        Once peers are confirmed, at most NEWCOMERS unconfirmed ones are expected on top of them; before, in this
-        peer's first round, at least `live_at_start`."""
-        if not self._confirmed:
-            in_first_round = self._mine is None or self._mine.epoch == self._first_epoch
-            return max(1 + len(self._others), self.live_at_start if in_first_round else 1)
-        confirmed = sum(1 for p in self._others if p.peer_id in self._confirmed)
-        return 1 + confirmed + min(NEWCOMERS, len(self._others) - confirmed)
+        Once peers are confirmed, at most NEWCOMERS unconfirmed ones are expected on top of them; in this peer's
+        first round, at least `live_at_start` (there its state's donor may be the one confirmed peer: a group of 4
+        began without the fifth peer of a swarm started together)."""
+        if self._confirmed:
+            confirmed = sum(1 for p in self._others if p.peer_id in self._confirmed)
+            live = 1 + confirmed + min(NEWCOMERS, len(self._others) - confirmed)
+        else:
+            live = 1 + len(self._others)
+        in_first_round = self._mine is None or self._mine.epoch == self._first_epoch
+        return max(live, self.live_at_start) if in_first_round else live
 
     def confirm(self, peer_ids: Iterable[str]) -> None:
         """Peers this one has averaged with (or downloaded the swarm's state from): their records count as they

@@ -151,6 +151,21 @@ def test_a_first_round_counts_the_peers_seen_live_before_training_though_their_r
     assert schedule.round_ends(1, 10) and schedule.group_size(round_s=10.0) == 3
 
 
+def test_a_first_round_expects_every_peer_seen_live_before_training_though_it_confirmed_its_states_donor():
+    """The donor of a joiner's state counts as confirmed, and then at most NEWCOMERS unconfirmed peers are expected
+    on top: 4 of a swarm of 5 started together, whose first group began without the fifth."""
+    now = time.time()
+    clock = clock_seeing(*(Progress(0, 10, 1.0, now, peer) for peer in "bcde"))
+    clock.confirm(["b"])
+    clock.update(0, 10, 1.0)
+    schedule = RoundSchedule(clock, matchmaking_time=2.0)
+    assert schedule.group_size(round_s=10.0) == 4  # 1 + 1 confirmed + 2 newcomers
+    clock.live_at_start = 5
+    assert schedule.group_size(round_s=10.0) == 5
+    clock.update(1, 0, 1.0)
+    assert schedule.group_size(round_s=10.0) == 4  # from its second round the records alone tell
+
+
 def test_a_round_is_given_up_after_two_windows_only_when_nobody_else_trains_towards_it():
     now = time.time()
     assert RoundSchedule(clock_seeing(), matchmaking_time=1.5).give_up_after(4) == 3.0
