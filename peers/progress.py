@@ -128,7 +128,11 @@ class RoundClock:
         one peer fewer, ended the round at 3 x H steps instead of 4 x H, and its group (expecting as few) began
         without the late starter, which averaged its next round out of step and downloaded the state."""
         visible = 1 + sum(1 for p in self._others if p.epoch >= epoch - 1)
-        return max(visible, self.live_at_start) if epoch == self._first_epoch else visible
+        return max(visible, self.live_at_start) if self.is_first_round(epoch) else visible
+
+    def is_first_round(self, epoch: int) -> bool:
+        """Whether round `epoch` is the first this peer trains in (it has not begun training: yes)."""
+        return self._first_epoch is None or epoch == self._first_epoch
 
     def live_peers(self) -> int:
         """Peers (this one included) with a fresh record, whatever their round: the most a group can hold now.
@@ -141,7 +145,7 @@ class RoundClock:
             live = 1 + confirmed + min(NEWCOMERS, len(self._others) - confirmed)
         else:
             live = 1 + len(self._others)
-        in_first_round = self._mine is None or self._mine.epoch == self._first_epoch
+        in_first_round = self._mine is None or self.is_first_round(self._mine.epoch)
         return max(live, self.live_at_start) if in_first_round else live
 
     def confirm(self, peer_ids: Iterable[str]) -> None:

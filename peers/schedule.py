@@ -29,6 +29,8 @@ class SwarmClock(Protocol):
 
     def round_done(self, epoch: int, steps: int) -> bool: ...
 
+    def is_first_round(self, epoch: int) -> bool: ...
+
     def seconds_to_round_end(self, epoch: int, steps: int, steps_per_s: float) -> float: ...
 
     def live_peers(self) -> int: ...
@@ -107,14 +109,16 @@ class RoundSchedule:
             return None
         return seconds
 
-    def group_deadline(self, seconds_to_end: float) -> float:
-        """Seconds until the group of a round this peer expects to end in `seconds_to_end` seconds must begin: one
-        of the clock's record periods after that. Peers read each other's progress up to a period apart, so their
-        estimates of the same round's end differ by up to that much: a leader that closed its group at its own
-        estimate left out a peer whose round ended 0.25 s later, which then averaged a round out of step and
-        downloaded the state (benchmarks/swarm_attacks.py, at start-up). A group whose expected peers
-        (`group_size`) are all in begins at once."""
-        return seconds_to_end + self.clock.every_s
+    def group_deadline(self, epoch: int, seconds_to_end: float) -> float:
+        """Seconds until the group of round `epoch`, which this peer expects to end in `seconds_to_end` seconds, must
+        begin: in this peer's first round one of the clock's record periods after that, else then. Peers started
+        together begin training up to a second apart, before they have read each other's records, so their
+        estimates of the first round's end differ: a leader that closed its group at its own left out a peer whose
+        round ended 0.25 s later, which then averaged out of step and downloaded the state. A group whose expected
+        peers (`group_size`) are all in begins at once; one that never completes (a peer counted live that cannot
+        join: an attacker others banned) waits the whole deadline, so later rounds, whose ends the peers read
+        alike, do not wait the extra period (with it, each such round of a 3 + 1 run took a second longer)."""
+        return seconds_to_end + (self.clock.every_s if self.clock.is_first_round(epoch) else 0.0)
 
     def group_size(self, round_s: float) -> int | None:
         """The group to expect for a round that has lasted `round_s` seconds: every live peer the round clock

@@ -14,10 +14,11 @@ peers/progress.py: all peers end it at about the same moment, so they meet in on
 previous round's average has arrived and been applied (checked after every step); while it has not, training
 simply goes on, so a slow round makes the next one longer instead of idling the device. Matchmaking begins one
 matchmaking window before the clock expects the round to end (`SwarmAverager.schedule_round`), so the group is
-formed by then and the average arrives one all-reduce later (a group still short of a peer waits for it one of the
-clock's record periods more: `RoundSchedule.group_deadline`). Each round expects the peers the clock sees in it,
-so its all-reduce starts as soon as they have all joined rather than when the window closes. A round that finds
-nobody, or fails, is applied with this peer's own pseudo-gradient: a lonely peer simply continues alone.
+formed by then and the average arrives one all-reduce later (in the first round, a group still short of a peer waits
+for it one of the clock's record periods more: `RoundSchedule.group_deadline`). Each round expects the peers the
+clock sees in it, so its all-reduce starts as soon as they have all joined rather than when the window closes. A
+round that finds nobody, or fails, is applied with this peer's own pseudo-gradient: a lonely peer simply continues
+alone.
 
 Staying in sync: every peer tells its group which global weights its update is based on (outer round and a
 fingerprint). Peers that averaged in different groups (or alone), or a joiner whose download was one round
@@ -380,7 +381,7 @@ class SwarmPeer:
             return
         expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
         self.averager.schedule_round(
-            self.schedule.group_deadline(seconds), tokens=expected_tokens, metadata=self._base_metadata(),
+            self.schedule.group_deadline(epoch, seconds), tokens=expected_tokens, metadata=self._base_metadata(),
             group_size=self.schedule.group_size(round_s + seconds), pair_partners=self._pair_partners(),
         )
 

@@ -84,14 +84,17 @@ def test_matchmaking_begins_one_window_before_the_rounds_end_and_expects_every_l
     assert RoundSchedule(clock_seeing(), matchmaking_time=2.0).group_size(round_s=60.0) is None  # alone
 
 
-def test_a_group_waits_one_record_period_past_the_rounds_expected_end_for_a_peer_whose_clock_reads_it_later():
-    """Peers read each other's progress records up to a period apart: a leader closing its group at its own estimate
-    of the round's end left out a peer whose round ended a quarter second later (it then averaged out of step)."""
+def test_a_first_rounds_group_waits_one_record_period_past_its_expected_end_for_a_peer_that_started_later():
+    """Peers started together read each other's first records up to a period apart: a leader closing its first group
+    at its own estimate of the round's end left out a peer whose round ended a quarter second later (it then averaged
+    out of step). Later rounds do not wait: a group that never completes would wait the extra period every round."""
     now = time.time()
     clock = clock_seeing(Progress(3, 4, 1.0, now))
+    clock.update(3, 13, 1.0)
     schedule = RoundSchedule(clock, matchmaking_time=2.0)
     lead = schedule.matchmaking_lead(3, 13, steps_per_s=1.0, round_s=10.0)
-    assert clock.every_s > 0 and schedule.group_deadline(lead) == pytest.approx(lead + clock.every_s)
+    assert clock.every_s > 0 and schedule.group_deadline(3, lead) == pytest.approx(lead + clock.every_s)
+    assert schedule.group_deadline(4, lead) == pytest.approx(lead)
 
 
 def test_a_banned_peers_records_neither_hold_a_round_back_nor_count_in_its_group():
