@@ -1308,20 +1308,23 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         return (self.banned_senders | self._failed_reducers) - {self.peer_id}
 
     @property
+    def _flagged(self) -> dict[PeerID, str]:
+        """Senders whose parts the robust rule flagged on our span this round, and why."""
+        flags = getattr(self.tensor_part_reducer, "flagged", {})
+        return {self.sender_peer_ids[i]: why for i, why in flags.items()}
+
+    @property
     def excused_flags(self) -> dict[PeerID, str]:
         """Groupmates whose parts the robust rule flagged this round without a strike (`_strikes`), and why."""
-        flags = getattr(self.tensor_part_reducer, "flagged", {})
-        flagged = {self.sender_peer_ids[i]: why for i, why in flags.items()}
-        return {peer: why for peer, why in flagged.items() if peer not in self.banned and not self._strikes(peer, why)}
+        return {peer: why for peer, why in self._flagged.items()
+                if peer not in self.banned and not self._strikes(peer, why)}
 
     @property
     def rejected(self) -> dict[PeerID, str]:
         """Groupmates caught this round (banned ones aside): parts refused, parts flagged by the robust rule
         (unless their sender was out of step: `_strikes`), and reducers whose averages failed our check. Network
         trouble is not in it."""
-        flags = getattr(self.tensor_part_reducer, "flagged", {})
-        flagged = {self.sender_peer_ids[i]: why for i, why in flags.items()
-                   if self._strikes(self.sender_peer_ids[i], why)}
+        flagged = {peer: why for peer, why in self._flagged.items() if self._strikes(peer, why)}
         caught = {**flagged, **self._invalid}
         return {peer: why for peer, why in caught.items() if peer not in self.banned | {self.peer_id}}
 
