@@ -167,6 +167,11 @@ SPAN_COPY_TIMEOUT_S = 5.0
 # this line began before the all-reduce (in hivemind: the trigger, the tensors' lock).
 SLOW_START_S = 5.0
 
+# How long a peer in no forming group waits before it answers a groupmate's parts for a group it does not know
+# with "not my group" (the groupmates then go on without it): the moments between its matchmaking's finding a group
+# and registering it, a few turns of its event loop; seconds to spare on a starved CPU.
+UNKNOWN_GROUP_GRACE_S = 1.0
+
 # Longest an all-reduce waits for the pair rule the host has just sent (it travels on hivemind's control pipe,
 # which the averager process reads between its tasks): milliseconds normally, seconds on a starved CPU.
 PAIR_RULE_WAIT_S = 5.0
@@ -444,6 +449,7 @@ class SwarmAverager(AveragerBase):
         self._pending: Optional[PendingRound] = None
         self._scheduled: Optional[_ScheduledRound] = None  # matchmaking started ahead of the round's end
         self._outgoing: Optional[asyncio.Future] = None  # averager process: this round's packed pseudo-gradient
+        self._step_in_progress: Optional[StepControl] = None  # averager process: the step run_step runs
         self._step_finished = mp.Event()  # the averager process is done with the buffers of the last round
         self._step_finished.set()
         self._digest_inboxes = DigestInboxes()  # used in the averager process only
@@ -705,6 +711,7 @@ class SwarmAverager(AveragerBase):
 
     async def run_step(self, *, step: StepControl, future_for_init):
         keep_tasks_until_done(asyncio.get_running_loop())  # before hivemind creates this step's tasks
+        self._step_in_progress = step
         # Pack while matchmaking runs, as soon as the host has handed over the tensors (the trigger): for a big
         # model on a CPU the pack takes seconds, and groupmates drop a sender that stays silent for
         # next_chunk_timeout once the all-reduce has begun.
@@ -723,6 +730,7 @@ class SwarmAverager(AveragerBase):
                 await asyncio.wait([outgoing])
                 if not outgoing.cancelled() and outgoing.exception() is None:
                     self._undo_error_feedback(outgoing.result())
+            self._step_in_progress = None
             self._step_finished.set()  # after the undo, which reads the pseudo-gradient buffers
 
     def _skipped_leader(self, leader: PeerID) -> bool:
@@ -1078,13 +1086,19 @@ class SwarmAverager(AveragerBase):
         awaits a shield of the future, so its death cancels only its own wait.
         """
         first = await anext(stream)
-        runner_future = await self.runner_future(first.group_id)
+        runner_future = await self.runner_future(first.group_id, self._may_join_a_group, UNKNOWN_GROUP_GRACE_S)
         if runner_future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         runner = await asyncio.shield(runner_future)
         async for reply in runner.rpc_aggregate_part(achain(as_aiter(first), stream), context):
             yield reply
+
+    def _may_join_a_group(self) -> bool:
+        """Whether this peer's round may yet begin an all-reduce in a group it has not registered: matchmaking
+        holds a group (a leader accepted it, or it leads followers) or has found one that awaits the trigger."""
+        step = self._step_in_progress
+        return step is not None and (step.stage == AveragingStage.AWAITING_TRIGGER or self.matchmaking_holds_a_group())
 
     def _declared(self, group_info: GroupInfo) -> list[Any]:
         """What each groupmate declared when the group formed (remote data: None where it does not decode)."""
@@ -1546,6 +1560,11 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         try:
             async for message in self._answers(stream, peer_id):
                 self.traffic[_RECEIVED] += message.ByteSize()
+                if message.code == averaging_pb2.BAD_GROUP_ID:
+                    # Its join never completed (see `SwarmAverager.rpc_aggregate_part`): its parts will not come
+                    # either, so our span goes on without them now, not after the sender timeout.
+                    await self.ban_sender(peer_id)
+                    raise AllreduceException(f"{peer_id} is not in this group: its join did not complete")
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
                 if len(buffers) == expected:  # after the last part: the reducer's signature of its span

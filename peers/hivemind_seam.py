@@ -28,6 +28,7 @@ What it offers:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 from typing import AsyncIterator, Callable, Optional, Sequence
@@ -170,11 +171,25 @@ class AveragerBase(DecentralizedAverager):
         """Hand this attempt's runner to the groupmates' streams waiting for it (`runner_future`)."""
         self._running_groups[group_id].set_result(runner)
 
-    async def runner_future(self, group_id: bytes) -> Optional[asyncio.Future]:
+    async def runner_future(self, group_id: bytes, may_join: Callable[[], bool],
+                            grace_s: float) -> Optional[asyncio.Future]:
         """The future of group `group_id`'s runner, once the group is registered (None: not a group of ours).
-        The leader may start the all-reduce before its answer (with the group id) reached us: wait for that."""
-        if group_id not in self._running_groups:
-            await self._pending_groups_registered.wait()
+
+        The leader may start the all-reduce before its answer (with the group id) reached us: wait for that, but
+        only while `may_join()` says this peer may yet begin a group it has not registered, and `grace_s` beyond.
+        hivemind waits until this peer registers any group, and a peer whose join request failed just as its
+        leader began the group (the leader counted it) looks for another one meanwhile: its groupmates waited
+        for its parts until their sender timeout.
+        """
+        registered = self._pending_groups_registered
+        idle_since = None
+        while group_id not in self._running_groups and not registered.is_set():
+            now = asyncio.get_running_loop().time()
+            idle_since = None if may_join() else (idle_since if idle_since is not None else now)
+            if idle_since is not None and now - idle_since >= grace_s:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(registered.wait(), timeout=0.05)
         return self._running_groups.get(group_id)
 
     def set_target_group_size(self, size: Optional[int]) -> None:
@@ -239,6 +254,7 @@ class AllReduceRunnerBase(AllReduceRunner):
     """
 
     def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
+        self._note_senders_started()
         return self.accumulate_parts_streaming(stream, sender_index)
 
     def accumulate_parts_streaming(
@@ -255,6 +271,14 @@ class AllReduceRunnerBase(AllReduceRunner):
     async def ban_sender(self, peer_id: PeerID) -> None:
         """Drop `peer_id` as a sender for the rest of the round (its later parts are not aggregated)."""
         await self._ban_sender(peer_id)
+        self._note_senders_started()
+
+    def _note_senders_started(self) -> None:
+        """End hivemind's watch for senders that never start once every sender not dropped has started: it ends
+        only when all have, and the all-reduce waits for it to end, so a sender dropped before it started (its
+        join never completed) held the round until the sender timeout."""
+        if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
+            self.all_senders_started.set()
 
     def peer_stub(self, peer_id: PeerID) -> StubBase:
         """The RPC stub to `peer_id`'s averager."""
