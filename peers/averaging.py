@@ -1561,10 +1561,12 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             async for message in self._answers(stream, peer_id):
                 self.traffic[_RECEIVED] += message.ByteSize()
                 if message.code == averaging_pb2.BAD_GROUP_ID:
-                    # Its join never completed (see `SwarmAverager.rpc_aggregate_part`): its parts will not come
-                    # either, so our span goes on without them now, not after the sender timeout.
+                    # Its join never completed (`SwarmAverager.rpc_aggregate_part`), or it is done with this group
+                    # (it woke from a stall after the group gave it up): its parts will not come either, so our
+                    # span goes on without them now, not after the sender timeout.
                     await self.ban_sender(peer_id)
-                    raise AllreduceException(f"{peer_id} is not in this group: its join did not complete")
+                    raise AllreduceException(f"{peer_id} is not in this all-reduce (its join never completed, or "
+                                             "it is done with the group)")
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
                 if len(buffers) == expected:  # after the last part: the reducer's signature of its span
