@@ -657,6 +657,17 @@ class SwarmAverager(AveragerBase):
                                      prefer_donors=frozenset(prefer_donors))
         return future.result(timeout=timeout) if wait else future
 
+    def dispute(self, peer_ids: Collection[str]) -> None:
+        """Hold `peer_ids` (base58) disputed, as the pair rules read it (`caught_peers(disputed=True)`, the leaders
+        a round skips while its pairs are for partners): a pair partner has banned them (peers/ban_notes.py)."""
+        self.run_in_averager_process("_dispute", peer_ids=frozenset(peer_ids))
+
+    async def _dispute(self, peer_ids: frozenset[str]) -> None:
+        reputation = self._reputation
+        for peer in sorted(peer_ids - reputation.disputed - set(reputation.banned)):
+            logger.info("holding %s disputed: a pair partner of ours has banned it", peer)
+        reputation.disputed |= peer_ids
+
     def banned_peers(self) -> dict[str, str]:
         """Peers this one has banned for the run (peer id -> the reason it was last rejected for)."""
         future = MPFuture()

@@ -6,7 +6,8 @@ us was malformed or failed our check. Network trouble (timeouts, a peer that lef
 volunteer is not an attacker. A peer rejected in `BAN_AFTER` rounds, or proven once to have signed two different
 averages of its span (`convict`, peers/span_agreement.py), is banned for the rest of the run, by this peer only
 (there is no swarm-wide list a liar could write to): its parts are left out, its spans' answers unused, and
-groups with it are refused where this peer leads them and skipped where it would follow.
+groups with it are refused where this peer leads them and skipped where it would follow. Its pair partners hear of
+the ban and pair with it no more (peers/ban_notes.py).
 
 A groupmate out of step (declaring other global weights than most of its group) is excused: its update was made
 on other weights and may honestly lie far from the group's, so what the robust rule flags in it earns no strike
@@ -50,7 +51,8 @@ class PeerReputation:
     strikes: dict[str, int] = field(default_factory=dict)
     banned: dict[str, str] = field(default_factory=dict)  # peer id -> the last reason it was rejected for
     # Reducers whose span a groupmate got another average of: no strike (the groupmate may be the liar), but
-    # not trusted as a pair partner either (an unsigned two-faced reducer, told apart by nobody, was).
+    # not trusted as a pair partner either (an unsigned two-faced reducer, told apart by nobody, was); likewise
+    # peers a pair partner has banned (peers/ban_notes.py).
     disputed: set[str] = field(default_factory=set)
     shared_rounds: dict[str, int] = field(default_factory=dict)  # groups a peer was in with us
     excused_rounds: dict[str, int] = field(default_factory=dict)

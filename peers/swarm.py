@@ -39,6 +39,7 @@ from typing import Any, Callable, Collection, Optional, Protocol, Sequence
 import torch
 
 from tscale_p2p.peers.averaging import RoundOutcome
+from tscale_p2p.peers.ban_notes import BanNotes
 from tscale_p2p.peers.metrics import PeerRecord, SwarmMetrics
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.progress import RoundClock
@@ -100,6 +101,8 @@ class RoundAverager(Protocol):
     def banned_peers(self) -> dict[str, str]: ...
 
     def caught_peers(self, disputed: bool = False) -> set[str]: ...
+
+    def dispute(self, peer_ids: Collection[str]) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -167,12 +170,14 @@ class SwarmPeer:
         self.report = SwarmReport(
             status, metrics, identity, trainer.precision, sum(w.numel() for w in self.outer.weights.values()),
             banned_count=lambda: self.averager.banned_count, announce_state=self.announce_state,
+            share_bans=self.share_bans,
             signed_run=signed_run, publish_every_s=publish_every_s,
         )
         self._tokens_in_round = 0
         self._in_flight: _InFlight | None = None
         self._averaged_with: set[str] = set()  # in-step peers of rounds that averaged (pair partners, less the caught)
         self._rounds_alone = 0  # rounds in a row this peer has averaged with nobody
+        self.ban_notes = BanNotes(metrics.dht, identity.run_id, identity.peer_id)
         self.clock = clock or RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
         self.schedule = RoundSchedule(self.clock, self.averager.matchmaking_time)
         self.training_s = self.wall_s = 0.0  # for the busy fraction while training
@@ -440,10 +445,19 @@ class SwarmPeer:
             self._resync(flight, consensus, declarers, average)
 
     def _pair_partners(self) -> frozenset[str] | None:
-        """Whom this round averages with in a group of two (`RoundSchedule.pair_partners`)."""
+        """Whom this round averages with in a group of two (`RoundSchedule.pair_partners`): not a peer that a
+        partner has banned either (peers/ban_notes.py), which the averager then holds disputed."""
         self._forget_banned()  # a ban that came after the last round (a proof, say) must not count as a live peer
         untrusted = self.averager.caught_peers(disputed=True)
-        return self.schedule.pair_partners(self._averaged_with, untrusted, self._rounds_alone)
+        noted = self.ban_notes.noted_by(self._averaged_with - untrusted) - untrusted
+        if noted:
+            self.averager.dispute(noted)
+        return self.schedule.pair_partners(self._averaged_with, untrusted | noted, self._rounds_alone)
+
+    def share_bans(self) -> None:
+        """Publish whom this peer has banned, and read whom the others have (peers/ban_notes.py); called from the
+        metrics thread."""
+        self.ban_notes.exchange(self.averager.banned_peers() if self.averager.banned_count else ())
 
     def _forget_banned(self) -> None:
         """Leave the peers this one has banned out of the round clock."""

@@ -31,13 +31,14 @@ class SwarmReport:
     """Status, log lines and the published record of one peer (`identity`, a `SwarmIdentity`) of `numel` weights.
 
     `metrics` is its `SwarmMetrics`; `banned_count()` how many peers it has banned; `announce_state()` re-offers
-    its state (peers/state_download.py)."""
+    its state (peers/state_download.py); `share_bans()` exchanges the peers' bans (peers/ban_notes.py)."""
 
     def __init__(self, status: LocalStatus, metrics, identity, precision: str, numel: int, *,
                  banned_count: Callable[[], int], announce_state: Callable[[], None],
-                 signed_run: SignedRun | None = None, publish_every_s: float = 5.0) -> None:
+                 share_bans: Callable[[], None], signed_run: SignedRun | None = None,
+                 publish_every_s: float = 5.0) -> None:
         self.status, self.metrics, self.identity, self.precision, self.numel = status, metrics, identity, precision, numel
-        self.banned_count, self.announce_state = banned_count, announce_state
+        self.banned_count, self.announce_state, self.share_bans = banned_count, announce_state, share_bans
         self.signed_run, self.publish_every_s = signed_run, publish_every_s
         self.bytes_sent = self.bytes_received = 0
         self.last_averaging: float | None = None
@@ -132,6 +133,7 @@ class SwarmReport:
             try:
                 self.metrics.publish(self.record())
                 self.announce_state()
+                self.share_bans()
                 self.status.update(swarm_records=tuple(self.metrics.fetch()))
                 if self.signed_run is not None and time.monotonic() - config_published > CONFIG_REFRESH_S:
                     publish_run_config(self.metrics.dht, self.identity.run_id, self.signed_run)

@@ -548,6 +548,15 @@ def test_a_round_in_a_forming_group_is_not_given_up():
             assert outcome.averaged is not None and outcome.group_size == 2 and outcome.dropped_peers == 0
 
 
+def test_a_peer_disputed_on_a_partners_word_is_neither_caught_nor_banned():
+    """What `dispute` holds (peers/ban_notes.py) keeps pairs from forming; it is not evidence of our own."""
+    noted = "QmXZxD93YBoPnzWwrQc1s2sNSiu47kWZSRG31bNxbk68e4"
+    with swarm([OneBitCodec()]) as (averager,):
+        averager.dispute({noted})
+        assert averager.caught_peers(disputed=True) == {noted}
+        assert averager.caught_peers() == set() and averager.banned_count == 0
+
+
 def test_bad_local_input_is_refused_before_anything_is_sent():
     with swarm([OneBitCodec()]) as (averager,):
         grads = random_grads(0)

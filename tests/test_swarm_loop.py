@@ -84,6 +84,7 @@ class ScriptedAverager:
         self.rounds, self.donor = rounds, donor
         self.banned = dict(banned or {})  # peer id -> why, as SwarmAverager.banned_peers()
         self.caught = set(caught)  # peers rejected once, not banned
+        self.disputed: set[str] = set()  # as SwarmAverager.dispute() was told
         self.matchmaking_time, self.round_timeout = MATCHMAKING_S, 5.0
         self.state_sharing_priority = 0.0
         self.round_scheduled = False
@@ -116,7 +117,10 @@ class ScriptedAverager:
         return dict(self.banned)
 
     def caught_peers(self, disputed: bool = False) -> set[str]:
-        return self.caught | set(self.banned)
+        return self.caught | set(self.banned) | (self.disputed if disputed else set())
+
+    def dispute(self, peer_ids) -> None:
+        self.disputed |= set(peer_ids)
 
     def shutdown(self) -> None:
         pass
@@ -331,6 +335,26 @@ def test_with_three_live_peers_pairs_are_taken_only_with_peers_averaged_with_and
                      caught={"peer-2"})
     peer.run()
     assert peer.averager.pair_partners[:len(expected)] == expected
+
+
+def test_a_peer_that_a_pair_partner_banned_is_no_pair_partner_and_is_held_disputed(corpus, tmp_path):
+    """Bans told by the others (peers/ban_notes.py) count from pair partners only, not from a peer never averaged
+    with, nor from a partner this peer has caught."""
+    clock = QuietClock()
+    now = time.time()
+    clock.observe([Progress(0, 0, 0.0, now, "peer-1"), Progress(0, 0, 0.0, now, "peer-2")])  # live, idle
+
+    def rounds(number, gradient, metadata):
+        if number > 1:
+            return ScriptedRound()
+        return averaged_with_group([0.5 * g for g in gradient], [metadata] * 4)
+
+    peer = make_peer(corpus, tmp_path / "notes", rounds, max_steps=2 * 3 * H, clock=clock, caught={"peer-2"})
+    peer.ban_notes.observe({"peer-1": frozenset({"peer-3"}), "stranger": frozenset({"peer-0"}),
+                            "peer-2": frozenset({"peer-1"}), "peer-0": frozenset({"me"})})
+    peer.run()
+    assert peer.averager.pair_partners[1] == {"peer-0", "peer-1"}
+    assert peer.averager.disputed == {"peer-3"}
 
 
 def test_a_peer_that_cannot_download_the_groups_state_stays_out_of_step_and_shares_its_own_again(

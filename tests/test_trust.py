@@ -19,6 +19,7 @@ from tscale_p2p.config import TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.averaging import SwarmAverager
+from tscale_p2p.peers.ban_notes import MAX_NOTED_BANS, BanNotes, ban_note_record
 from tscale_p2p.peers.progress import RoundClock, progress_record
 from tscale_p2p.peers.records import (
     RunRecordValidator,
@@ -58,7 +59,7 @@ def nodes(tmp_path):
         dht = hivemind.DHT(host_maddrs=LOOPBACK, initial_peers=initial, identity_path=path, start=True)
         started.append(dht)
         use_identity_key(dht, path)
-        protect(dht, run_config_record(RUN), progress_record(RUN), state_offer_record(RUN))
+        protect(dht, run_config_record(RUN), progress_record(RUN), state_offer_record(RUN), ban_note_record(RUN))
         return dht
 
     yield start
@@ -331,3 +332,26 @@ def test_fake_progress_records_do_not_stall_rounds(nodes):
         assert not a.round_done(0, 1) and a.round_done(0, 10)
     finally:
         attacker.shutdown()
+
+
+def test_bans_are_told_under_each_peers_own_signature_and_bounded(nodes):
+    """A peer's note names the peers it banned, read as that peer's (its signature's) word; a note that claims
+    another peer's name, or names too many or ill-formed ids, is refused by every node."""
+    teller_node, reader_node, forger_node = nodes("teller"), nodes("reader"), nodes("forger")
+    teller = BanNotes(teller_node, RUN, str(teller_node.peer_id))
+    reader = BanNotes(reader_node, RUN, str(reader_node.peer_id))
+    attacker_id = str(forger_node.peer_id)
+    teller.exchange([attacker_id, str(reader_node.peer_id)])
+    reader.exchange([])  # nothing banned: nothing published
+    assert reader.noted_by([str(teller_node.peer_id)]) == {attacker_id}  # never ourselves
+    assert reader.noted_by([attacker_id]) == frozenset()
+    key = ban_note_record(RUN).key
+    owner = signer_for(forger_node).local_public_key
+    for banned in (("Qm" + "1" * 44,) * (MAX_NOTED_BANS + 1), ("not base58: 0OIl",), ("Q" * 65,)):
+        assert not forger_node.store(key, {"banned": banned}, get_dht_time() + 30, subkey=owner)
+    assert not forger_node.store(key, {"banned": (attacker_id,)}, get_dht_time() + 30,
+                                 subkey=signer_for(teller_node).local_public_key)  # signed by someone else
+    assert forger_node.store(key, {"banned": (str(teller_node.peer_id),)}, get_dht_time() + 30, subkey=owner)
+    reader.exchange([])
+    assert reader.noted_by([attacker_id]) == {str(teller_node.peer_id)}  # well-formed: its own word
+    assert reader.noted_by([str(teller_node.peer_id)]) == {attacker_id}  # the forgery changed nothing

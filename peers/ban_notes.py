@@ -1,0 +1,67 @@
+"""Bans told to pair partners: each peer publishes whom it has banned, and heeds its partners' word in pairs only.
+
+A peer bans on its own evidence (peers/reputation.py), and some honest peers can hold evidence against an attacker
+while others hold none: an "A Little Is Enough" update lies close to the honest ones, and the robust rule flagged it
+in the spans two of three honest peers reduced, not in the third's. The two then neither followed the attacker nor
+let it into their groups, so it paired with the third, round after round, and that peer's val loss ended at 2.41
+against 1.91 (benchmarks/swarm_attacks.py, alie:3+1).
+
+So every peer publishes the ids of the peers it has banned in a signed record of its own (`BanNote`), and a peer
+holds a peer that one of its pair partners banned as disputed: no pair with it, and no following it as a leader
+while its pairs are for partners (peers/averaging.py). A note is not a ban, since a partner may lie: it keeps
+pairs from forming, never a group of three or more, where the robust rules act on each peer's own evidence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from typing import Annotated
+
+import pydantic
+from hivemind import DHT
+
+from tscale_p2p.peers.records import ProtectedKey, RecordModel, protect, read_signed, store_signed
+
+log = logging.getLogger(__name__)
+
+MAX_NOTED_BANS = 32  # ids in one note: an honest peer bans a handful in a run
+NOTE_TTL_S = 60.0  # a peer republishes within seconds (`BanNotes.exchange`); a gone peer's note expires
+
+_PeerId = Annotated[str, pydantic.Field(min_length=1, max_length=64, pattern=r"^[1-9A-HJ-NP-Za-km-z]+$")]
+
+
+class BanNote(RecordModel):
+    """The peers one peer has banned for the run (base58 peer ids)."""
+
+    banned: tuple[_PeerId, ...] = pydantic.Field(max_length=MAX_NOTED_BANS)
+
+
+def ban_note_record(run_id: str) -> ProtectedKey:
+    return ProtectedKey(f"{run_id}_bans", BanNote, max_ttl_s=NOTE_TTL_S, max_bytes=4096)
+
+
+class BanNotes:
+    """This peer's note and the latest ones of the others, for one run (`exchange` runs in a background thread)."""
+
+    def __init__(self, dht: DHT | None, run_id: str, peer_id: str) -> None:
+        self.dht, self.record, self.peer_id = dht, ban_note_record(run_id), peer_id
+        self._notes: dict[str, frozenset[str]] = {}  # peer id (the note's signer) -> the peers it banned
+
+    def exchange(self, banned: Collection[str]) -> None:
+        """Publish our note (none while we have banned nobody) and read everyone's."""
+        protect(self.dht, self.record)
+        if banned:
+            note = BanNote(banned=tuple(sorted(banned))[:MAX_NOTED_BANS])
+            store_signed(self.dht, self.record, note, ttl_s=NOTE_TTL_S)
+        self.observe({entry.peer_id: frozenset(entry.value.banned) for entry in read_signed(self.dht, self.record)
+                      if entry.peer_id != self.peer_id})
+
+    def observe(self, notes: Mapping[str, frozenset[str]]) -> None:
+        """Take `notes` (signer -> the peers it banned) as the others' latest; `exchange` calls this."""
+        self._notes = dict(notes)
+
+    def noted_by(self, partners: Collection[str]) -> frozenset[str]:
+        """The peers that any of `partners` has banned, ourselves aside."""
+        noted = set().union(*(self._notes.get(partner, frozenset()) for partner in partners))
+        return frozenset(noted - {self.peer_id})
