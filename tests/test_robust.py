@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import hivemind
 import pytest
 import torch
 from hivemind.p2p import PeerID
@@ -30,6 +31,7 @@ from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.averaging import SwarmAverager
+from tscale_p2p.peers.ban_notes import BanNotes
 from tscale_p2p.peers.codec import E8Codec, OneBitCodec
 from tscale_p2p.peers.reputation import COLLUDING, EXCUSE_EVERY, Excused, PeerReputation
 from tscale_p2p.peers.robust import centered_clip, coordinate_median, robust_aggregate
@@ -691,7 +693,8 @@ def test_a_colluding_a_little_is_enough_pair_is_left_out_and_banned():
 def test_join_swarm_with_a_sign_flipping_attacker_trains_on_and_bans_it(spawn, tmp_path, text_file, monkeypatch,
                                                                           capsys):
     """3 honest `join`s and one whose averager sends -10x its update claiming 10^12 tokens (tests/attacks.py):
-    the honest peers learn as if it were not there, ban it, and `peers --json` shows their bans."""
+    the honest peers learn as if it were not there, ban it, and `peers --json` shows their bans, which each also
+    tells in its signed ban note (peers/ban_notes.py)."""
     bootstrap = bootstrap_with_hivemind_dht(spawn)
     common = ["--initial-peers", bootstrap, "--run-id", "attacked", "--min-peers", "4", *TINY, "--steps", "60",
               "--inner-steps", "5", "--matchmaking-time", "2", "--averaging-timeout", "20"]
@@ -700,20 +703,29 @@ def test_join_swarm_with_a_sign_flipping_attacker_trains_on_and_bans_it(spawn, t
     attacker = spawn("x", sys.executable, str(Path(__file__).with_name("attacks.py")),
                      *join_flags("x", text_file, "--name", "x", *common))
     attacker_id = attacker.wait_for(r"peer id (\w+)", timeout=60)[0].group(1)
+    honest_ids = [peer.wait_for(r"peer id (\w+)", timeout=60)[0].group(1) for peer in honest]
     for peer in honest:
         peer.wait_for(rf"banning {attacker_id} for the rest of the run", timeout=90)
-    # Each peer publishes its metrics every few seconds, a busy one (resyncing, say) later: ask until all three
-    # records show their ban, then check that nobody else was banned.
-    deadline = time.monotonic() + 60
-    while True:
-        capsys.readouterr()
-        assert main(["peers", "--initial-peers", bootstrap, "--run-id", "attacked", "--json"]) == 0
-        records = {record["name"]: record for record in json.loads(capsys.readouterr().out)}
-        banned = [records[name]["banned_peers"] if name in records else 0 for name in "abc"]
-        if min(banned) >= 1 or time.monotonic() > deadline:
-            break
-        time.sleep(2)
+    # Each peer publishes its metrics and its ban note every few seconds, a busy one (resyncing, say) later: ask
+    # until all three show their ban, then check that nobody else was banned.
+    reader = hivemind.DHT(initial_peers=[bootstrap], client_mode=True, start=True)
+    notes = BanNotes(reader, "attacked", "reader")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            capsys.readouterr()
+            assert main(["peers", "--initial-peers", bootstrap, "--run-id", "attacked", "--json"]) == 0
+            records = {record["name"]: record for record in json.loads(capsys.readouterr().out)}
+            banned = [records[name]["banned_peers"] if name in records else 0 for name in "abc"]
+            notes.exchange([])
+            told = [notes.noted_by([peer_id]) for peer_id in honest_ids]
+            if (min(banned) >= 1 and all(told)) or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+    finally:
+        reader.shutdown()
     assert banned == [1, 1, 1]
+    assert told == [{attacker_id}] * 3
     for peer in honest:
         assert peer.wait(90) == 0, peer.summary()
         losses = [float(v) for v in re.findall(r"step \d+  round \d+  loss (\S+)", peer.output())]
