@@ -552,7 +552,7 @@ class SwarmAverager(AveragerBase):
         matchmaking window closes (a peer beyond it is refused by the full group and gets no average).
         `pair_partners`: the peers (base58 ids) this peer averages with in a group of two; a pair with anyone
         else is refused (this peer takes part but keeps nothing) and the round looks for another group (None: any
-        pair is taken). In a pair neither contribution is a majority, so the robust rules cannot tell which of the
+        pair is taken, but with a peer this one has caught). In a pair neither contribution is a majority, so the robust rules cannot tell which of the
         two lies. Uses the round `schedule_round` prepared, if any, with the size it was scheduled with and these
         `pair_partners` (it is dropped, and a round begins from scratch, when it has failed meanwhile or was scheduled with
         other metadata). The tensors are copied, so training may continue at once. Raises ValueError for a
@@ -773,17 +773,22 @@ class SwarmAverager(AveragerBase):
         A refused pair is still averaged, and its result thrown away: the other member may not refuse (it may
         have averaged with this peer before), and a peer that waited for parts that never came would stall its
         round for the whole chunk timeout while its trainer runs on (measured: rounds of 20 s, whose oversized
-        updates the outer step then overshot). Taking part costs the refusing peer nothing it keeps."""
+        updates the outer step then overshot). Taking part costs the refusing peer nothing it keeps.
+
+        A peer this one has caught is refused whatever the rule: where any pair would do (fewer than three live, or
+        a long spell without an average), its update and its span's answer would otherwise go in unopposed."""
         if len(group_info.peer_ids) != 2:
             return None
         partners = await self._latest_pair_rule()
         other = next(peer for peer in group_info.peer_ids if peer != self.peer_id)
-        if partners is None or other.to_base58() in partners:
+        if other.to_base58() in self._reputation.caught:
+            why = "a peer caught sending or answering what no honest peer would"
+        elif partners is None or other.to_base58() in partners:
             return None
-        why = "a peer not averaged with yet, or one caught or disputed"
-        logger.info("not averaging in a pair with %s, %s, while three or more peers train: looking for a larger "
-                    "group", other, why)
-        return f"a pair with {other}, {why}, while three or more peers train"
+        else:
+            why = "a peer not averaged with yet, or one disputed, while three or more peers train"
+        logger.info("not averaging in a pair with %s, %s: looking for a larger group", other, why)
+        return f"a pair with {other}, {why}"
 
     def in_a_forming_group(self) -> bool:
         """Whether matchmaking has this peer in a group that has not begun: a leader accepted it, or it leads

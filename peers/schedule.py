@@ -136,7 +136,8 @@ class RoundSchedule:
                       rounds_alone: int) -> frozenset[str] | None:
         """Whom to average with in a group of two this round: while the round clock sees three or more live
         peers, only peers this one has averaged with before (`averaged_with`, less those `caught`); None (any
-        pair) when fewer are live, or after PAIR_PATIENCE rounds in a row without an average.
+        pair, but with a peer the averager has caught) when fewer are live, or after PAIR_PATIENCE rounds in a row
+        without an average.
 
         In a pair neither contribution is a majority: an attacker paired with an honest peer in the swarm's first
         rounds, before anyone could ban it, got its update and its own span's answer through (a 90x update and a

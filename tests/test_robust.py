@@ -412,6 +412,12 @@ def test_a_peer_caught_before_is_struck_out_of_step_for_what_no_honest_peer_out_
             assert_banned_by_all(honest, [attacker])
         else:
             assert all(averager.banned_count == 0 and peer(attacker) in averager.caught_peers() for averager in honest)
+            # Caught, not banned: no pair with it even where any pair would do (fewer than three live, say).
+            grads = grads_of_round(2, 4)
+            pending = [a.start_round(g, tokens=1000.0) for a, g in ((honest[0], grads[0]), (attacker, grads[3]))]
+            refusing, refused = [p.result(timeout=40) for p in pending]
+            assert refusing.averaged is None and refusing.error
+            assert refused.group_size == 2  # it got its pair's average: the refusing peer took part
 
 
 @pytest.mark.slow
