@@ -14,7 +14,6 @@ pairs from forming, never a group of three or more, where the robust rules act o
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Mapping
 from typing import Annotated
 
@@ -22,8 +21,6 @@ import pydantic
 from hivemind import DHT
 
 from tscale_p2p.peers.records import ProtectedKey, RecordModel, protect, read_signed, store_signed
-
-log = logging.getLogger(__name__)
 
 MAX_NOTED_BANS = 32  # ids in one note: an honest peer bans a handful in a run
 NOTE_TTL_S = 60.0  # a peer republishes within seconds (`BanNotes.exchange`); a gone peer's note expires

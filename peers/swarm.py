@@ -167,6 +167,7 @@ class SwarmPeer:
         self._fingerprint = self.weights_fingerprint()  # of the global weights, refreshed when they change
         self.state_check = StateCheck.of(identity.run_id, run, list(self.outer.weights.values()))
         self.averager: RoundAverager = averager_factory(list(self.outer.weights.values()), self.shared_state)
+        self.ban_notes = BanNotes(metrics.dht, identity.run_id, identity.peer_id)
         self.report = SwarmReport(
             status, metrics, identity, trainer.precision, sum(w.numel() for w in self.outer.weights.values()),
             banned_count=lambda: self.averager.banned_count, announce_state=self.announce_state,
@@ -177,7 +178,6 @@ class SwarmPeer:
         self._in_flight: _InFlight | None = None
         self._averaged_with: set[str] = set()  # in-step peers of rounds that averaged (pair partners, less the caught)
         self._rounds_alone = 0  # rounds in a row this peer has averaged with nobody
-        self.ban_notes = BanNotes(metrics.dht, identity.run_id, identity.peer_id)
         self.clock = clock or RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
         self.schedule = RoundSchedule(self.clock, self.averager.matchmaking_time)
         self.training_s = self.wall_s = 0.0  # for the busy fraction while training
