@@ -550,13 +550,13 @@ class SwarmAverager(AveragerBase):
         `RoundOutcome.group_metadata`. `group_size`: the peers expected in this round (e.g. those the round
         clock sees training); the all-reduce then begins as soon as that many have joined, instead of when the
         matchmaking window closes (a peer beyond it is refused by the full group and gets no average).
-        `pair_partners`: the peers (base58 ids) this peer averages with in a group of two; a pair with anyone
-        else is refused (this peer takes part but keeps nothing) and the round looks for another group (None: any
-        pair is taken, but with a peer this one has caught). In a pair neither contribution is a majority, so the
-        robust rules cannot tell which of the two lies. Uses the round `schedule_round` prepared, if any, with the size it was scheduled with and these
-        `pair_partners` (it is dropped, and a round begins from scratch, when it has failed meanwhile or was scheduled with
-        other metadata). The tensors are copied, so training may continue at once. Raises ValueError for a
-        pseudo-gradient that is not finite or does not match the template (cancelling a scheduled round), and
+        `pair_partners`: the peers (base58 ids) this peer averages with in a group of two; a pair with anyone else is
+        refused (this peer takes part but keeps nothing) and the round looks for another group (None: any pair is taken,
+        but with a peer this one has caught). In a pair neither contribution is a majority, so the robust rules cannot
+        tell which of the two lies. Uses the round `schedule_round` prepared, if any, with the size it was scheduled
+        with and these `pair_partners` (it is dropped, and a round begins from scratch, when it has failed meanwhile or
+        was scheduled with other metadata). The tensors are copied, so training may continue at once. Raises ValueError
+        for a pseudo-gradient that is not finite or does not match the template (cancelling a scheduled round), and
         RuntimeError while the previous round is still pending.
         """
         if self._pending is not None:
