@@ -168,9 +168,10 @@ SPAN_COPY_TIMEOUT_S = 5.0
 SLOW_START_S = 5.0
 
 # How long a peer in no forming group waits before it answers a groupmate's parts for a group it does not know
-# with "not my group" (the groupmates then go on without it): the moments between its matchmaking's finding a group
-# and registering it, a few turns of its event loop; seconds to spare on a starved CPU.
-UNKNOWN_GROUP_GRACE_S = 1.0
+# with "not my group" (the groupmates then go on without it): the moments between its matchmaking's handing a group
+# on and registering it, a few turns of its event loop. 1 s was too short with 16 peers on 2 cores (load 35): peers
+# about to begin with their group answered so 105 times in 139 peer-rounds (benchmarks/swarm_rounds.py).
+UNKNOWN_GROUP_GRACE_S = 3.0
 
 # Longest an all-reduce waits for the pair rule the host has just sent (it travels on hivemind's control pipe,
 # which the averager process reads between its tasks): milliseconds normally, seconds on a starved CPU.
@@ -1112,7 +1113,8 @@ class SwarmAverager(AveragerBase):
 
     def _may_join_a_group(self) -> bool:
         """Whether this peer's round may yet begin an all-reduce in a group it has not registered: matchmaking
-        holds a group (a leader accepted it, or it leads followers) or has found one that awaits the trigger."""
+        holds a group (a leader accepted it, it leads followers, or it has assembled one) or has found one that
+        awaits the trigger."""
         step = self._step_in_progress
         return step is not None and (step.stage == AveragingStage.AWAITING_TRIGGER or self.matchmaking_holds_a_group())
 

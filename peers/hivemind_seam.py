@@ -88,7 +88,7 @@ PRIVATE_ATTRIBUTES: tuple[tuple[type, tuple[str, ...]], ...] = (
     (DecentralizedAverager, ("_averaged_tensors", "_allreduce_timeout", "_running_groups", "_outer_pipe")),
     (StepControl, ("_trigger", "_cancel")),
     (TensorPartContainer, ("_input_parts_by_peer", "_outputs_registered_by_peer")),
-    (Matchmaking, ("current_leader", "current_followers")),  # public names, but undocumented state
+    (Matchmaking, ("current_leader", "current_followers", "assembled_group")),  # public, but undocumented state
 )
 DECLARED_ATTRIBUTES: tuple[tuple[type, tuple[str, ...]], ...] = (
     (DecentralizedAverager, ("_p2p", "_matchmaking", "_pending_groups_registered")),
@@ -212,10 +212,13 @@ class AveragerBase(DecentralizedAverager):
         matchmaking._skips_leaders = True
 
     def matchmaking_holds_a_group(self) -> bool:
-        """Whether matchmaking has this peer in a group that has not begun: a leader accepted it, or it leads
-        followers (hivemind's Matchmaking state; it has no such query). Averager process only."""
+        """Whether matchmaking has this peer in a group that has not begun: a leader accepted it, it leads
+        followers, or it has a group assembled and not yet handed on (hivemind's Matchmaking state; it has no such
+        query). Averager process only."""
         matchmaking = self._matchmaking
-        return matchmaking.current_leader is not None or bool(matchmaking.current_followers)
+        assembled = matchmaking.assembled_group
+        found = assembled.done() and not assembled.cancelled() and assembled.exception() is None
+        return matchmaking.current_leader is not None or bool(matchmaking.current_followers) or found
 
     def run_in_averager_process(self, method: str, **kwargs) -> None:
         """Have the averager process run `await self.<method>(**kwargs)` as a task (hivemind's control pipe, the
