@@ -442,6 +442,10 @@ class SwarmAverager(AveragerBase):
         self._target_group_size = target_group_size
         self._round_group_size = torch.zeros((), dtype=torch.int64).share_memory_()  # the next step's; 0: none
         self._pair_partners: Optional[frozenset[str]] = None  # averager process: the round's `pair_partners`
+        # Averager process: reducers first disputed in our last all-reduce, and (for the step under way) those of
+        # the one before it: still followed as leaders this step (`_skipped_leader`).
+        self._newly_disputed: set[str] = set()
+        self._disputed_last_step: set[str] = set()
         # How many pair rules the host has sent, and (averager process) which one it holds: an all-reduce waits
         # for the latest before it decides (the rule travels on the control pipe, the trigger does not).
         self._pair_rules_sent = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -668,6 +672,8 @@ class SwarmAverager(AveragerBase):
         for peer in sorted(peer_ids - reputation.disputed - set(reputation.banned)):
             logger.info("holding %s disputed: a pair partner of ours has banned it", peer)
         reputation.disputed |= peer_ids
+        self._newly_disputed -= peer_ids  # a partner's ban: no step of grace as a leader (`_skipped_leader`)
+        self._disputed_last_step -= peer_ids
 
     def banned_peers(self) -> dict[str, str]:
         """Peers this one has banned for the run (peer id -> the reason it was last rejected for)."""
@@ -731,6 +737,7 @@ class SwarmAverager(AveragerBase):
         # hivemind's leader starts the all-reduce early only when its group reaches target_group_size; with the
         # swarm's size unknown it would always wait out the matchmaking window. It has no per-step setting.
         self.set_target_group_size(int(self._round_group_size) or self._target_group_size)
+        self._disputed_last_step, self._newly_disputed = self._newly_disputed, set()
         self.skip_leaders(self._skipped_leader)
         try:
             await super().run_step(step=step, future_for_init=future_for_init)
@@ -751,12 +758,18 @@ class SwarmAverager(AveragerBase):
         the average such a reducer sent, so that groupmate has likely banned it, and then never joins its group:
         the group stays a pair this peer refuses, and its search for another cost the round seconds while every
         trainer ran on (seen: an unsigned two-faced reducer's pair refused again and again, a round of 250 steps).
+        But one refusal is no ban: in the step right after a reducer is first disputed, the groupmates that
+        refused its average still follow it, and so does this peer (skipping it then, the peer an unsigned
+        two-faced reducer told the truth missed the group the reducer led with the others, and downloaded the
+        swarm's state a round later). A reducer a pair partner banned (`dispute`) is skipped at once.
         As a follower such a peer can still join our group, and a peer only caught is still followed: a group of
         three it leads is where the robust rule strikes it again (skipping those too left a 2 + 1 sign flip's
         honest peers each leading a group the attacker alone joined, no second strike, and 2.51 val loss)."""
         if self._is_banned(leader):
             return True
-        return self._pair_partners is not None and leader.to_base58() in self._reputation.disputed
+        peer = leader.to_base58()
+        return (self._pair_partners is not None and peer in self._reputation.disputed
+                and peer not in self._disputed_last_step)
 
     async def _set_pair_partners(self, partners: Optional[frozenset[str]], version: int) -> None:
         self._pair_partners, self._pair_rule_held = partners, version
@@ -961,7 +974,10 @@ class SwarmAverager(AveragerBase):
             if any(took_another(mine[index], digests[index]) for digests in received.values()):
                 # Its reducer may have lied. (A lost span, counted too, made honest reducers no pair partners of
                 # each other.)
-                self._reputation.disputed.add(peers[index].to_base58())
+                reducer = peers[index].to_base58()
+                if reducer not in self._reputation.disputed:
+                    self._newly_disputed.add(reducer)
+                self._reputation.disputed.add(reducer)
             if index not in recoverable:  # (else those that lost it fetch our copy)
                 logger.info("dropping %s's span this round: a groupmate got another average of it", peers[index])
                 dropped[peers[index]] = runner.span_ranges(index)

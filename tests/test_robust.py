@@ -552,10 +552,11 @@ _LeaderSkipReporting.__name__ = "SwarmAverager"  # hivemind names a peer's RPC h
 def test_an_unsigned_two_faced_reducer_costs_nothing_and_is_no_pair_partner_of_the_peer_it_told_the_truth():
     """2 honest peers + a reducer that lies to one of them and signs only the truth: the peer lied to takes the
     other's signed copy, so both apply the group's true average. The peer told the truth holds no evidence against
-    the reducer (no strike, no ban), but its span was disputed, so it is not trusted in a pair, and while it
-    averages in pairs only with partners it follows no group the reducer leads: the peer lied to, which bans the
-    reducer next round, would never join it, and the pair it stays would be refused. The peer lied to, which only
-    caught the reducer, still follows it: a group of three it leads is where it earns its second strike."""
+    the reducer (no strike, no ban), but its span was disputed, so it is not trusted in a pair. The peer lied to
+    has only caught the reducer and still follows it (a group of three it leads is where it earns its second
+    strike), so in the next step the peer told the truth follows it too; from the step after, while it averages in
+    pairs only with partners, it follows no group the reducer leads: the peer lied to, which has banned the reducer
+    by then, would never join it, and the pair it stays would be refused."""
     kinds = [_LeaderSkipReporting] * 2 + [UnsignedTwoFacedReducer]
     with swarm([OneBitCodec() for _ in range(3)], averager_type=kinds, identities=True) as averagers:
         honest, liar = averagers[:2], averagers[2]
@@ -571,12 +572,14 @@ def test_an_unsigned_two_faced_reducer_costs_nothing_and_is_no_pair_partner_of_t
         assert peer(liar) in lied_to.caught_peers()
         assert not told_the_truth.banned_peers()
         assert not told_the_truth.skips_leader(peer(liar))  # a round that takes any pair follows anyone
-        for averager, partner in ((told_the_truth, lied_to), (lied_to, told_the_truth)):
-            averager.schedule_round(30.0, tokens=1000.0, pair_partners=[peer(partner)])
-        assert told_the_truth.skips_leader(peer(liar)) and not told_the_truth.skips_leader(peer(lied_to))
-        assert not lied_to.skips_leader(peer(liar))
-        for averager in honest:
-            averager.cancel_scheduled_round()
+        for step_after_the_dispute in (1, 2):
+            for averager, partner in ((told_the_truth, lied_to), (lied_to, told_the_truth)):
+                averager.schedule_round(30.0, tokens=1000.0, pair_partners=[peer(partner)])
+            assert told_the_truth.skips_leader(peer(liar)) == (step_after_the_dispute == 2)
+            assert not told_the_truth.skips_leader(peer(lied_to))
+            assert not lied_to.skips_leader(peer(liar))
+            for averager in honest:
+                averager.cancel_scheduled_round()
 
 
 @pytest.mark.slow
