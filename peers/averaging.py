@@ -442,8 +442,8 @@ class SwarmAverager(AveragerBase):
         self._target_group_size = target_group_size
         self._round_group_size = torch.zeros((), dtype=torch.int64).share_memory_()  # the next step's; 0: none
         self._pair_partners: Optional[frozenset[str]] = None  # averager process: the round's `pair_partners`
-        # Averager process: reducers first disputed in our last all-reduce, and (for the step under way) those of
-        # the one before it: still followed as leaders this step (`_skipped_leader`).
+        # Averager process: reducers first disputed in this step's all-reduce, and those first disputed in the
+        # last step's, which this step still follows as leaders (`_skipped_leader`; run_step moves one to the other).
         self._newly_disputed: set[str] = set()
         self._disputed_last_step: set[str] = set()
         # How many pair rules the host has sent, and (averager process) which one it holds: an all-reduce waits
