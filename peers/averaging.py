@@ -33,7 +33,8 @@ whole round fails, the sender's residual is rolled back. Either way nothing a se
 
 Groupmates whose parts or averages were refused are counted in a `PeerReputation` (peers/reputation.py); one
 refused in two rounds is banned for the run: its parts are left out, its span's answers unused, and this peer
-neither leads nor follows it into a group (`banned_peers()`, `banned_count`).
+never leads it into a group, nor follows it from the second step after the ban (`_skipped_leader`; `banned_peers()`,
+`banned_count`).
 
 Usage: the asynchronous swarm loop (host process; `DelayedOuterStep` is in peers/outer.py)::
 
@@ -442,10 +443,11 @@ class SwarmAverager(AveragerBase):
         self._target_group_size = target_group_size
         self._round_group_size = torch.zeros((), dtype=torch.int64).share_memory_()  # the next step's; 0: none
         self._pair_partners: Optional[frozenset[str]] = None  # averager process: the round's `pair_partners`
-        # Averager process: reducers first disputed in this step's all-reduce, and those first disputed in the
-        # last step's, which this step still follows as leaders (`_skipped_leader`; run_step moves one to the other).
-        self._newly_disputed: set[str] = set()
-        self._disputed_last_step: set[str] = set()
+        # Averager process: steps begun, and the step in which each peer was first disputed, and banned, here. A
+        # leader marked in this step or the last is still followed (`_skipped_leader`).
+        self._steps_begun = 0
+        self._disputed_in_step: dict[str, int] = {}
+        self._banned_in_step: dict[str, int] = {}
         # How many pair rules the host has sent, and (averager process) which one it holds: an all-reduce waits
         # for the latest before it decides (the rule travels on the control pipe, the trigger does not).
         self._pair_rules_sent = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -672,8 +674,8 @@ class SwarmAverager(AveragerBase):
         for peer in sorted(peer_ids - reputation.disputed - set(reputation.banned)):
             logger.info("holding %s disputed: a pair partner of ours has banned it", peer)
         reputation.disputed |= peer_ids
-        self._newly_disputed -= peer_ids  # a partner's ban: no step of grace as a leader (`_skipped_leader`)
-        self._disputed_last_step -= peer_ids
+        for peer in peer_ids:  # a partner's ban: no step of grace as a leader (`_skipped_leader`)
+            self._disputed_in_step.pop(peer, None)
 
     def banned_peers(self) -> dict[str, str]:
         """Peers this one has banned for the run (peer id -> the reason it was last rejected for)."""
@@ -737,7 +739,7 @@ class SwarmAverager(AveragerBase):
         # hivemind's leader starts the all-reduce early only when its group reaches target_group_size; with the
         # swarm's size unknown it would always wait out the matchmaking window. It has no per-step setting.
         self.set_target_group_size(int(self._round_group_size) or self._target_group_size)
-        self._disputed_last_step, self._newly_disputed = self._newly_disputed, set()
+        self._steps_begun += 1
         self.skip_leaders(self._skipped_leader)
         try:
             await super().run_step(step=step, future_for_init=future_for_init)
@@ -758,18 +760,27 @@ class SwarmAverager(AveragerBase):
         the average such a reducer sent, so that groupmate has likely banned it, and then never joins its group:
         the group stays a pair this peer refuses, and its search for another cost the round seconds while every
         trainer ran on (seen: an unsigned two-faced reducer's pair refused again and again, a round of 250 steps).
-        But one refusal is no ban: in the step right after a reducer is first disputed, the groupmates that
-        refused its average still follow it, and so does this peer (skipping it then, the peer an unsigned
-        two-faced reducer told the truth missed the group the reducer led with the others, and downloaded the
-        swarm's state a round later). A reducer a pair partner banned (`dispute`) is skipped at once.
+
+        But the peers that hold the same evidence seldom act on it in the same step: one refusal is no ban, and
+        one groupmate may ban a peer a round before the others. So a leader first disputed or banned in this step
+        or the last is still followed: the groupmates a step behind still follow it, and a peer that skipped it
+        then missed the group they formed with it, averaged alone and downloaded the swarm's state a round later
+        (seen for an unsigned two-faced reducer the peer was told the truth by, and for an "A Little Is Enough"
+        peer banned a round early, whose three honest groupmates then downloaded the state in turn). In that group
+        a banned leader's parts are left out and its span's answers unused, as a banned follower's. A peer a pair
+        partner banned (`dispute`) is skipped at once.
         As a follower such a peer can still join our group, and a peer only caught is still followed: a group of
         three it leads is where the robust rule strikes it again (skipping those too left a 2 + 1 sign flip's
         honest peers each leading a group the attacker alone joined, no second strike, and 2.51 val loss)."""
-        if self._is_banned(leader):
-            return True
         peer = leader.to_base58()
+        if self._is_banned(leader) and not self._marked_lately(self._banned_in_step, peer):
+            return True
         return (self._pair_partners is not None and peer in self._reputation.disputed
-                and peer not in self._disputed_last_step)
+                and not self._marked_lately(self._disputed_in_step, peer))
+
+    def _marked_lately(self, marks: dict[str, int], peer: str) -> bool:
+        """Whether `marks` (peer -> the step it was marked in) has `peer` marked in this step or the last."""
+        return marks.get(peer, -2) >= self._steps_begun - 1
 
     async def _set_pair_partners(self, partners: Optional[frozenset[str]], version: int) -> None:
         self._pair_partners, self._pair_rule_held = partners, version
@@ -829,7 +840,13 @@ class SwarmAverager(AveragerBase):
         rejected = {peer.to_base58(): why for peer, why in runner.rejected.items()}
         if rejected:
             self._reputation.record_round(rejected)
-            self._banned_count.fill_(len(self._reputation.banned))
+            self._count_bans()
+
+    def _count_bans(self) -> None:
+        """Tell the host how many peers this one has banned, and note the step of each new ban."""
+        for peer in self._reputation.banned.keys() - self._banned_in_step.keys():
+            self._banned_in_step[peer] = self._steps_begun
+        self._banned_count.fill_(len(self._reputation.banned))
 
     def _excused(self, peer_ids: Sequence[PeerID], out_of_step: frozenset) -> Excused:
         """The groupmates excused some strikes this round (`PeerReputation.excuse`), as PeerIDs."""
@@ -976,7 +993,7 @@ class SwarmAverager(AveragerBase):
                 # each other.)
                 reducer = peers[index].to_base58()
                 if reducer not in self._reputation.disputed:
-                    self._newly_disputed.add(reducer)
+                    self._disputed_in_step[reducer] = self._steps_begun
                 self._reputation.disputed.add(reducer)
             if index not in recoverable:  # (else those that lost it fetch our copy)
                 logger.info("dropping %s's span this round: a groupmate got another average of it", peers[index])
@@ -1082,7 +1099,7 @@ class SwarmAverager(AveragerBase):
             return
         self._proofs[liar] = proof
         self._reputation.convict(liar, "signed two different averages of its span")
-        self._banned_count.fill_(len(self._reputation.banned))
+        self._count_bans()
 
     def _show_proofs(self, peers: Sequence[PeerID]) -> None:
         """Show each groupmate, once, the proofs we hold against others (in the background): a peer that was not

@@ -606,6 +606,27 @@ def test_a_reducer_signing_two_peers_different_averages_is_proven_a_liar_and_ban
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_a_peer_follows_a_leader_it_banned_for_one_more_step_then_never():
+    """Groupmates holding the same evidence may ban a peer a round apart: the one that bans first still follows
+    the peer's group in the next step, as the others still do, and skips it from the step after (it was left
+    alone else, a round behind the others)."""
+    kinds = [_LeaderSkipReporting] * 2 + [TwoFacedReducer]
+    with swarm([OneBitCodec() for _ in range(3)], averager_type=kinds, identities=True) as averagers:
+        honest, liar = averagers[:2], averagers[2]
+        play(averagers, grads_of_round(0, 3), [1000.0] * 3, group_size=3)
+        wait_for(lambda: all(averager.banned_count == 1 for averager in honest))
+        for step_after_the_ban in (1, 2):
+            for averager in honest:
+                averager.schedule_round(30.0, tokens=1000.0)  # any pair: no pair rule to skip it by
+            for averager in honest:
+                assert averager.skips_leader(peer(liar)) == (step_after_the_ban == 2)
+                assert not averager.skips_leader(peer(next(a for a in honest if a is not averager)))
+            for averager in honest:
+                averager.cancel_scheduled_round()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_peer_that_was_not_there_bans_a_proven_liar_once_it_meets_a_witness():
     """A two-faced reducer caught in a group of three: the witnesses show the proof to the first groupmate they
     meet that was not there, and it bans the liar too, without ever meeting it."""
