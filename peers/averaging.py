@@ -446,8 +446,9 @@ class SwarmAverager(AveragerBase):
         # Averager process: steps begun, and the step in which each peer was first disputed, and banned, here. A
         # leader marked in this step or the last is still followed (`_skipped_leader`).
         self._steps_begun = 0
-        self._disputed_in_step: dict[str, int] = {}
-        self._banned_in_step: dict[str, int] = {}
+        self._disputed_in_step: dict[str, float] = {}
+        self._banned_in_step: dict[str, float] = {}
+        self._partners_banned: set[str] = set()  # averager process: peers a pair partner banned (`heed_partners_bans`)
         # How many pair rules the host has sent, and (averager process) which one it holds: an all-reduce waits
         # for the latest before it decides (the rule travels on the control pipe, the trigger does not).
         self._pair_rules_sent = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -664,18 +665,32 @@ class SwarmAverager(AveragerBase):
                                      prefer_donors=frozenset(prefer_donors))
         return future.result(timeout=timeout) if wait else future
 
-    def dispute(self, peer_ids: Collection[str]) -> None:
-        """Hold `peer_ids` (base58) disputed, as the pair rules read it (`caught_peers(disputed=True)`, the leaders
-        a round skips while its pairs are for partners): a pair partner has banned them (peers/ban_notes.py)."""
-        self.run_in_averager_process("_dispute", peer_ids=frozenset(peer_ids))
+    def heed_partners_bans(self, peer_ids: Collection[str]) -> None:
+        """A pair partner has banned `peer_ids` (base58; peers/ban_notes.py): ban those this peer has rejected in a
+        round of its own (`PeerReputation.corroborate`), and hold the others disputed, as the pair rules read it
+        (`caught_peers(disputed=True)`, the leaders a round skips while its pairs are for partners).
 
-    async def _dispute(self, peer_ids: frozenset[str]) -> None:
+        A partner's word alone is no ban, since a partner may lie. But an "A Little Is Enough" peer's parts lie
+        close to the honest ones, and the robust rule may flag them once here and twice at the others: they banned
+        it, this peer did not, and their groups no longer took it, so the groups it led or joined with this peer
+        were pairs this peer refused, round after round, its averages arriving rounds late (val loss 2.02 against
+        1.89, benchmarks/swarm_attacks.py)."""
+        self.run_in_averager_process("_heed_partners_bans", peer_ids=frozenset(peer_ids))
+
+    async def _heed_partners_bans(self, peer_ids: frozenset[str]) -> None:
         reputation = self._reputation
+        self._partners_banned |= peer_ids
+        self._corroborate(peer_ids)
         for peer in sorted(peer_ids - reputation.disputed - set(reputation.banned)):
             logger.info("holding %s disputed: a pair partner of ours has banned it", peer)
         reputation.disputed |= peer_ids
         for peer in peer_ids:  # a partner's ban: no step of grace as a leader (`_skipped_leader`)
             self._disputed_in_step.pop(peer, None)
+
+    def _corroborate(self, peer_ids: Collection[str]) -> None:
+        """Ban those of `peer_ids` that a pair partner banned and this peer rejected in a round of its own."""
+        if any([self._reputation.corroborate(peer) for peer in sorted(self._partners_banned & set(peer_ids))]):
+            self._count_bans(grace=False)  # the partners banned it a while ago, and skip it already
 
     def banned_peers(self) -> dict[str, str]:
         """Peers this one has banned for the run (peer id -> the reason it was last rejected for)."""
@@ -768,7 +783,7 @@ class SwarmAverager(AveragerBase):
         (seen for an unsigned two-faced reducer the peer was told the truth by, and for an "A Little Is Enough"
         peer banned a round early, whose three honest groupmates then downloaded the state in turn). In that group
         a banned leader's parts are left out and its span's answers unused, as a banned follower's. A peer a pair
-        partner banned (`dispute`) is skipped at once.
+        partner banned (`heed_partners_bans`) is skipped at once.
         As a follower such a peer can still join our group, and a peer only caught is still followed: a group of
         three it leads is where the robust rule strikes it again (skipping those too left a 2 + 1 sign flip's
         honest peers each leading a group the attacker alone joined, no second strike, and 2.51 val loss)."""
@@ -778,9 +793,9 @@ class SwarmAverager(AveragerBase):
         return (self._pair_partners is not None and peer in self._reputation.disputed
                 and not self._marked_lately(self._disputed_in_step, peer))
 
-    def _marked_lately(self, marks: dict[str, int], peer: str) -> bool:
+    def _marked_lately(self, marks: dict[str, float], peer: str) -> bool:
         """Whether `marks` (peer -> the step it was marked in) has `peer` marked in this step or the last."""
-        return marks.get(peer, -2) >= self._steps_begun - 1
+        return marks.get(peer, -math.inf) >= self._steps_begun - 1
 
     async def _set_pair_partners(self, partners: Optional[frozenset[str]], version: int) -> None:
         self._pair_partners, self._pair_rule_held = partners, version
@@ -841,11 +856,13 @@ class SwarmAverager(AveragerBase):
         if rejected:
             self._reputation.record_round(rejected)
             self._count_bans()
+            self._corroborate(rejected)
 
-    def _count_bans(self) -> None:
-        """Tell the host how many peers this one has banned, and note the step of each new ban."""
+    def _count_bans(self, grace: bool = True) -> None:
+        """Tell the host how many peers this one has banned, and note the step of each new ban (`grace`: a step
+        that still follows it as a leader, `_skipped_leader`)."""
         for peer in self._reputation.banned.keys() - self._banned_in_step.keys():
-            self._banned_in_step[peer] = self._steps_begun
+            self._banned_in_step[peer] = self._steps_begun if grace else -math.inf
         self._banned_count.fill_(len(self._reputation.banned))
 
     def _excused(self, peer_ids: Sequence[PeerID], out_of_step: frozenset) -> Excused:

@@ -8,8 +8,9 @@ against 1.91 (benchmarks/swarm_attacks.py, alie:3+1).
 
 So every peer publishes the ids of the peers it has banned in a signed record of its own (`BanNote`), and a peer
 holds a peer that one of its pair partners banned as disputed: no pair with it, and no following it as a leader
-while its pairs are for partners (peers/averaging.py). A note is not a ban, since a partner may lie: it keeps
-pairs from forming, never a group of three or more, where the robust rules act on each peer's own evidence.
+while its pairs are for partners (peers/averaging.py). A note alone is not a ban, since a partner may lie: it keeps
+pairs from forming, never a group of three or more, where the robust rules act on each peer's own evidence. A note
+on a peer this one has rejected in a round of its own is: two witnesses (`SwarmAverager.heed_partners_bans`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ volunteer is not an attacker. A peer rejected in `BAN_AFTER` rounds, or proven o
 averages of its span (`convict`, peers/span_agreement.py), is banned for the rest of the run, by this peer only
 (there is no swarm-wide list a liar could write to): its parts are left out, its spans' answers unused, and
 groups with it are refused where this peer leads them and skipped where it would follow. Its pair partners hear of
-the ban and pair with it no more (peers/ban_notes.py).
+the ban and pair with it no more (peers/ban_notes.py); one that rejected it in a round of its own bans it too
+(`corroborate`).
 
 A groupmate out of step (declaring other global weights than most of its group) is excused: its update was made
 on other weights and may honestly lie far from the group's, so what the robust rule flags in it earns no strike
@@ -33,6 +34,7 @@ BAN_AFTER = 2  # rounds with a rejection; one could be bad luck at a threshold, 
 EXCUSED_ROUNDS = 3
 EXCUSE_EVERY = 4
 COLLUDING = "a part nearly the same as another sender's"  # the robust rule's verdict on a colluding pair's parts
+CORROBORATED = "rejected here, and banned by a pair partner"  # a ban on two witnesses' word (`corroborate`)
 
 
 class Excused(NamedTuple):
@@ -108,6 +110,14 @@ class PeerReputation:
         """Ban `peer` at once: it was proven to lie (peers/span_agreement.py), no strikes needed."""
         if peer not in self.banned:
             self._ban(peer, reason, reason)
+
+    def corroborate(self, peer: str) -> bool:
+        """Ban `peer`, struck here in some round, now that a pair partner has banned it (peers/ban_notes.py): two
+        witnesses, one of them this peer. Return whether it was banned now (not if never struck here, or banned)."""
+        if peer in self.banned or peer not in self.strikes:
+            return False
+        self._ban(peer, CORROBORATED, f"rejected here in {self.strikes[peer]} round(s) and banned by a pair partner")
+        return True
 
     @property
     def caught(self) -> set[str]:

@@ -549,10 +549,11 @@ def test_a_round_in_a_forming_group_is_not_given_up():
 
 
 def test_a_peer_disputed_on_a_partners_word_is_neither_caught_nor_banned():
-    """What `dispute` holds (peers/ban_notes.py) keeps pairs from forming; it is not evidence of our own."""
+    """A partner's ban (peers/ban_notes.py) of a peer this one never rejected keeps pairs from forming; it is not
+    evidence of our own."""
     noted = "QmXZxD93YBoPnzWwrQc1s2sNSiu47kWZSRG31bNxbk68e4"
     with swarm([OneBitCodec()]) as (averager,):
-        averager.dispute({noted})
+        averager.heed_partners_bans({noted})
         assert averager.caught_peers(disputed=True) == {noted}
         assert averager.caught_peers() == set() and averager.banned_count == 0
 

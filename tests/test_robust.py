@@ -33,7 +33,7 @@ from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.ban_notes import BanNotes
 from tscale_p2p.peers.codec import E8Codec, OneBitCodec
-from tscale_p2p.peers.reputation import COLLUDING, EXCUSE_EVERY, Excused, PeerReputation
+from tscale_p2p.peers.reputation import COLLUDING, CORROBORATED, EXCUSE_EVERY, Excused, PeerReputation
 from tscale_p2p.peers.robust import centered_clip, coordinate_median, robust_aggregate
 from tscale_p2p.trainer import Trainer
 
@@ -349,6 +349,25 @@ def test_a_sender_attack_is_left_out_of_every_span_and_banned(attack, claimed):
         attacker.round_timeout = 4.0
         alone = play([attacker], [bad], [claimed], group_size=None)[0]
         assert alone.averaged is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_peer_rejected_here_once_and_banned_by_a_pair_partner_is_banned_here_too():
+    """Two witnesses make a ban: a partner's ban note and a strike of this peer's own, whichever comes first. The
+    third honest peer, with one strike and no note, has not banned the attacker yet."""
+    with swarm([OneBitCodec() for _ in range(4)], residual_carry=None) as averagers:
+        (struck_then_told, told_then_struck, struck_only), attacker = averagers[:3], averagers[3]
+        told_then_struck.heed_partners_bans({peer(attacker)})
+        grads = grads_of_round(0, 4)
+        play(averagers, grads[:3] + [[-10 * g for g in grads[3]]], [1000.0] * 4, group_size=4)
+        wait_for(lambda: told_then_struck.banned_count == 1)
+        assert struck_then_told.banned_count == 0 and peer(attacker) in struck_then_told.caught_peers()
+        struck_then_told.heed_partners_bans({peer(attacker)})
+        wait_for(lambda: struck_then_told.banned_count == 1)
+        for averager in (struck_then_told, told_then_struck):
+            assert averager.banned_peers() == {peer(attacker): CORROBORATED}
+        assert struck_only.banned_count == 0 and peer(attacker) in struck_only.caught_peers()
 
 
 @pytest.mark.slow

@@ -84,7 +84,7 @@ class ScriptedAverager:
         self.rounds, self.donor = rounds, donor
         self.banned = dict(banned or {})  # peer id -> why, as SwarmAverager.banned_peers()
         self.caught = set(caught)  # peers rejected once, not banned
-        self.disputed: set[str] = set()  # as SwarmAverager.dispute() was told
+        self.disputed: set[str] = set()  # as SwarmAverager.heed_partners_bans() was told
         self.matchmaking_time, self.round_timeout = MATCHMAKING_S, 5.0
         self.state_sharing_priority = 0.0
         self.round_scheduled = False
@@ -119,7 +119,7 @@ class ScriptedAverager:
     def caught_peers(self, disputed: bool = False) -> set[str]:
         return self.caught | set(self.banned) | (self.disputed if disputed else set())
 
-    def dispute(self, peer_ids) -> None:
+    def heed_partners_bans(self, peer_ids) -> None:
         self.disputed |= set(peer_ids)
 
     def shutdown(self) -> None:
