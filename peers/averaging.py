@@ -448,6 +448,9 @@ class SwarmAverager(AveragerBase):
         self._steps_begun = 0
         self._disputed_in_step: dict[str, float] = {}
         self._banned_in_step: dict[str, float] = {}
+        # ... and the reducers of spans this peer refused while a groupmate took them, with the step of the first
+        # such round: that groupmate holds the reducer disputed from then.
+        self._disputed_by_groupmates_in_step: dict[str, float] = {}
         self._partners_banned: set[str] = set()  # averager process: peers a pair partner banned (`heed_partners_bans`)
         # How many pair rules the host has sent, and (averager process) which one it holds: an all-reduce waits
         # for the latest before it decides (the rule travels on the control pipe, the trigger does not).
@@ -783,15 +786,26 @@ class SwarmAverager(AveragerBase):
         (seen for an unsigned two-faced reducer the peer was told the truth by, and for an "A Little Is Enough"
         peer banned a round early, whose three honest groupmates then downloaded the state in turn). In that group
         a banned leader's parts are left out and its span's answers unused, as a banned follower's. A peer a pair
-        partner banned (`heed_partners_bans`) is skipped at once.
+        partner banned (`heed_partners_bans`) is skipped at once, and so is one just banned here whose span a
+        groupmate took when this peer refused it in an earlier step: that groupmate has held it disputed since,
+        and skips it now (the peer an unsigned two-faced reducer lied to, following it, was left in a pair with it,
+        which it refused).
         As a follower such a peer can still join our group, and a peer only caught is still followed: a group of
         three it leads is where the robust rule strikes it again (skipping those too left a 2 + 1 sign flip's
         honest peers each leading a group the attacker alone joined, no second strike, and 2.51 val loss)."""
         peer = leader.to_base58()
-        if self._is_banned(leader) and not self._marked_lately(self._banned_in_step, peer):
+        if self._is_banned(leader) and not self._followed_though_banned(peer):
             return True
         return (self._pair_partners is not None and peer in self._reputation.disputed
                 and not self._marked_lately(self._disputed_in_step, peer))
+
+    def _followed_though_banned(self, peer: str) -> bool:
+        """Whether `peer`, banned here, is still followed as a leader (`_skipped_leader`): banned in this step or the
+        last, and not skipped now by a groupmate that has held it disputed since an earlier step."""
+        marks = self._disputed_by_groupmates_in_step
+        skipped_by_groupmates = (self._pair_partners is not None and peer in marks
+                                 and not self._marked_lately(marks, peer))
+        return self._marked_lately(self._banned_in_step, peer) and not skipped_by_groupmates
 
     def _marked_lately(self, marks: dict[str, float], peer: str) -> bool:
         """Whether `marks` (peer -> the step it was marked in) has `peer` marked in this step or the last."""
@@ -1003,6 +1017,9 @@ class SwarmAverager(AveragerBase):
         recoverable = recoverable_spans(mine, received, [key is not None for key in runner.reducer_keys])
         dropped = {}
         for index in sorted(disputed_spans(mine, received)):
+            if mine[index] == REFUSED and any(digests[index] not in (NO_AVERAGE, REFUSED)
+                                              for digests in received.values()):
+                self._disputed_by_groupmates_in_step.setdefault(peers[index].to_base58(), self._steps_begun)
             if mine[index] in (NO_AVERAGE, REFUSED):
                 continue  # lost here already
             if any(took_another(mine[index], digests[index]) for digests in received.values()):

@@ -603,6 +603,27 @@ def test_an_unsigned_two_faced_reducer_costs_nothing_and_is_no_pair_partner_of_t
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_the_peer_an_unsigned_two_faced_reducer_lied_to_skips_it_at_once_after_banning_it():
+    """The peer it lied to bans it after two rounds; the peer told the truth has held it disputed since the first,
+    and skips it as a leader while its pairs are for partners. So the peer lied to skips it at once too, instead of
+    following it for one more step, as it would a leader it just banned: it would be left in a pair with it."""
+    kinds = [_LeaderSkipReporting] * 2 + [UnsignedTwoFacedReducer]
+    with swarm([OneBitCodec() for _ in range(3)], averager_type=kinds, identities=True) as averagers:
+        honest, liar = averagers[:2], averagers[2]
+        for round_number in range(2):
+            play(averagers, grads_of_round(round_number, 3), [1000.0] * 3, group_size=3)
+        told_the_truth = min(honest, key=lambda averager: str(averager.peer_id))  # tests/attacks.py's choice
+        lied_to = max(honest, key=lambda averager: str(averager.peer_id))
+        assert set(lied_to.banned_peers()) == {peer(liar)} and not told_the_truth.banned_peers()
+        for averager, partner in ((told_the_truth, lied_to), (lied_to, told_the_truth)):
+            averager.schedule_round(30.0, tokens=1000.0, pair_partners=[peer(partner)])
+        assert told_the_truth.skips_leader(peer(liar)) and lied_to.skips_leader(peer(liar))
+        for averager in honest:
+            averager.cancel_scheduled_round()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_reducer_signing_two_peers_different_averages_is_proven_a_liar_and_banned_by_both():
     """2 honest peers + a two-faced reducer: in a group of three the peer told the truth cannot tell the liar from
     the groupmate that refused its average. Signed spans settle it: each shows the other the average the reducer
