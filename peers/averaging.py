@@ -692,7 +692,8 @@ class SwarmAverager(AveragerBase):
 
     def _corroborate(self, peer_ids: Collection[str]) -> None:
         """Ban those of `peer_ids` that a pair partner banned and this peer rejected in a round of its own."""
-        if any([self._reputation.corroborate(peer) for peer in sorted(self._partners_banned & set(peer_ids))]):
+        banned = [peer for peer in sorted(self._partners_banned & set(peer_ids)) if self._reputation.corroborate(peer)]
+        if banned:
             self._count_bans(grace=False)  # the partners banned it a while ago, and skip it already
 
     def banned_peers(self) -> dict[str, str]:
