@@ -432,6 +432,7 @@ class SwarmPeer:
         self.trainer.apply_outer_update(weights)
         self._advertise_state()
         self.report.round(flight.number, outcome, self._fingerprint, steps_late)
+        self.report.share_bans_soon()  # ours from this round, and the others' before the next round's pair rule
         self._rounds_alone = 0 if outcome.averaged is not None else self._rounds_alone + 1
         if outcome.averaged is not None and not outcome.dropped_peers:
             self.clock.confirm(outcome.group_peers)  # they really averaged with us: their progress counts fully

@@ -3,8 +3,8 @@ record in the DHT (`tscale-peer peers` and other peers' dashboards read those).
 
 `SwarmReport` keeps the peer's traffic and token counters. `SwarmPeer` (peers/swarm.py) calls `step()` once per
 reporting window and `round()` once per applied round; a thread of its own publishes the record every few
-seconds, reads everyone's into the status, re-announces the state offer, and every hour re-publishes the run
-config (it outlives its founder).
+seconds, reads everyone's into the status, re-announces the state offer, exchanges the peers' bans (then, and
+after each round: `share_bans_soon`), and every hour re-publishes the run config (it outlives its founder).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class SwarmReport:
         self.last_averaging: float | None = None
         self.tokens_contributed = 0
         self._stop = threading.Event()
+        self._bans_due = threading.Event()
+        self._wake = threading.Event()  # stop, or bans to share (`share_bans_soon`)
         self._thread = threading.Thread(target=self._publish_loop, name="swarm-metrics", daemon=True)
 
     def start(self) -> None:
@@ -51,6 +53,7 @@ class SwarmReport:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
@@ -127,18 +130,32 @@ class SwarmReport:
             banned_peers=self.banned_count(),
         )
 
+    def share_bans_soon(self) -> None:
+        """Exchange the peers' bans now, not at the next record: a peer that banned on its partners' word and a
+        strike of its own (peers/ban_notes.py) followed the attacker into refused pairs while the note was on its
+        way, a round of 2.5 s against a record every 5 s (benchmarks/RESULTS.md). `SwarmPeer` calls it each round."""
+        self._bans_due.set()
+        self._wake.set()
+
     def _publish_loop(self) -> None:
         config_published = -float("inf")
-        while True:
+        next_record = time.monotonic()
+        while not self._stop.is_set():
             try:
-                self.metrics.publish(self.record())
-                self.announce_state()
-                self.share_bans()
-                self.status.update(swarm_records=tuple(self.metrics.fetch()))
-                if self.signed_run is not None and time.monotonic() - config_published > CONFIG_REFRESH_S:
-                    publish_run_config(self.metrics.dht, self.identity.run_id, self.signed_run)
-                    config_published = time.monotonic()
+                if time.monotonic() >= next_record:
+                    next_record = time.monotonic() + self.publish_every_s
+                    self._bans_due.clear()
+                    self.metrics.publish(self.record())
+                    self.announce_state()
+                    self.share_bans()
+                    self.status.update(swarm_records=tuple(self.metrics.fetch()))
+                    if self.signed_run is not None and time.monotonic() - config_published > CONFIG_REFRESH_S:
+                        publish_run_config(self.metrics.dht, self.identity.run_id, self.signed_run)
+                        config_published = time.monotonic()
+                elif self._bans_due.is_set():
+                    self._bans_due.clear()
+                    self.share_bans()
             except Exception as error:  # the DHT may be shutting down; metrics must never stop training
                 log.debug("publishing metrics failed: %s", error)
-            if self._stop.wait(self.publish_every_s):
-                return
+            self._wake.wait(max(0.0, next_record - time.monotonic()))
+            self._wake.clear()  # a wake set after this is still seen: `_bans_due` is read before the next wait

@@ -357,6 +357,38 @@ def test_a_peer_that_a_pair_partner_banned_is_no_pair_partner_and_is_held_disput
     assert peer.averager.disputed == {"peer-3"}
 
 
+def test_bans_are_exchanged_each_round_not_only_with_the_record(corpus, tmp_path):
+    """Each applied round asks for the peers' bans at once (ours from that round, a partner's before the next pair
+    rule), not at the next record, here a minute away: a ban on a partner's note and a strike of our own
+    (peers/ban_notes.py) waited for it while its peer followed the attacker into refused pairs."""
+    peer = make_peer(corpus, tmp_path / "bans", lambda k, g, m: averaged_with_group([t.clone() for t in g], [m, m]),
+                     max_steps=3 * H + 1)
+    asked = []
+    peer.report.share_bans_soon = lambda: asked.append(peer.round)
+    peer.run()
+    assert asked == [1, 2, 3]
+
+
+def test_the_report_exchanges_bans_when_asked_without_waiting_for_the_next_record(corpus, tmp_path):
+    report = make_peer(corpus, tmp_path / "asked", lambda k, g, m: ScriptedRound()).report  # records a minute apart
+    exchanged = []
+    report.share_bans = lambda: exchanged.append(time.monotonic())
+    report.start()
+    try:
+        wait_until(lambda: len(exchanged) == 1)  # the first record's
+        report.share_bans_soon()
+        wait_until(lambda: len(exchanged) == 2)
+    finally:
+        report.stop()
+
+
+def wait_until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_a_peer_that_cannot_download_the_groups_state_stays_out_of_step_and_shares_its_own_again(
         corpus, tmp_path, caplog):
     def rounds(number, gradient, metadata):
