@@ -177,7 +177,6 @@ class SwarmPeer:
         self._tokens_in_round = 0
         self._in_flight: _InFlight | None = None
         self._averaged_with: set[str] = set()  # in-step peers of rounds that averaged (pair partners, less the caught)
-        self._heeded_bans: frozenset[str] = frozenset()  # partners' bans told to the averager (`_pair_partners`)
         self._rounds_alone = 0  # rounds in a row this peer has averaged with nobody
         self.clock = clock or RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
         self.schedule = RoundSchedule(self.clock, self.averager.matchmaking_time)
@@ -452,9 +451,8 @@ class SwarmPeer:
         self._forget_banned()  # a ban that came after the last round (a proof, say) must not count as a live peer
         untrusted = self.averager.caught_peers(disputed=True)
         noted = self.ban_notes.noted_by(self._averaged_with - untrusted)
-        if noted - self._heeded_bans:
-            self.averager.heed_partners_bans(noted)
-            self._heeded_bans |= noted
+        if noted:
+            self.averager.heed_partners_bans(noted)  # once a round; the averager acts on each peer once
         return self.schedule.pair_partners(self._averaged_with, untrusted | noted, self._rounds_alone)
 
     def share_bans(self) -> None:

@@ -46,6 +46,7 @@ class SwarmReport:
         self._stop = threading.Event()
         self._bans_due = threading.Event()
         self._wake = threading.Event()  # stop, or bans to share (`share_bans_soon`)
+        self._config_published = -float("inf")
         self._thread = threading.Thread(target=self._publish_loop, name="swarm-metrics", daemon=True)
 
     def start(self) -> None:
@@ -138,20 +139,12 @@ class SwarmReport:
         self._wake.set()
 
     def _publish_loop(self) -> None:
-        config_published = -float("inf")
         next_record = time.monotonic()
         while not self._stop.is_set():
             try:
                 if time.monotonic() >= next_record:
                     next_record = time.monotonic() + self.publish_every_s
-                    self._bans_due.clear()
-                    self.metrics.publish(self.record())
-                    self.announce_state()
-                    self.share_bans()
-                    self.status.update(swarm_records=tuple(self.metrics.fetch()))
-                    if self.signed_run is not None and time.monotonic() - config_published > CONFIG_REFRESH_S:
-                        publish_run_config(self.metrics.dht, self.identity.run_id, self.signed_run)
-                        config_published = time.monotonic()
+                    self._publish_record()
                 elif self._bans_due.is_set():
                     self._bans_due.clear()
                     self.share_bans()
@@ -159,3 +152,15 @@ class SwarmReport:
                 log.debug("publishing metrics failed: %s", error)
             self._wake.wait(max(0.0, next_record - time.monotonic()))
             self._wake.clear()  # a wake set after this is still seen: `_bans_due` is read before the next wait
+
+    def _publish_record(self) -> None:
+        """Publish our record, the state offer and our bans; read everyone's records and bans; re-publish the run
+        config when it is due."""
+        self._bans_due.clear()
+        self.metrics.publish(self.record())
+        self.announce_state()
+        self.share_bans()
+        self.status.update(swarm_records=tuple(self.metrics.fetch()))
+        if self.signed_run is not None and time.monotonic() - self._config_published > CONFIG_REFRESH_S:
+            publish_run_config(self.metrics.dht, self.identity.run_id, self.signed_run)
+            self._config_published = time.monotonic()
