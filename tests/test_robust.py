@@ -356,7 +356,8 @@ def test_a_sender_attack_is_left_out_of_every_span_and_banned(attack, claimed):
 def test_a_peer_rejected_here_once_and_banned_by_a_pair_partner_is_banned_here_too():
     """Two witnesses make a ban: a partner's ban note and a strike of this peer's own, whichever comes first. The
     third honest peer, with one strike and no note, has not banned the attacker yet."""
-    with swarm([OneBitCodec() for _ in range(4)], residual_carry=None) as averagers:
+    # (a long window: the leader begins once all four have joined, and a loaded machine may take seconds to)
+    with swarm([OneBitCodec() for _ in range(4)], residual_carry=None, matchmaking_time=6.0) as averagers:
         (struck_then_told, told_then_struck, struck_only), attacker = averagers[:3], averagers[3]
         told_then_struck.heed_partners_bans({peer(attacker)})
         grads = grads_of_round(0, 4)
@@ -721,7 +722,7 @@ def test_a_groupmate_that_lost_a_span_leaves_its_reducer_trusted(signed):
     honest peers keep one another as pair partners. (Counted as a dispute, an attacker that lost one honest
     reducer's span left the two honest peers of a 2 + 1 swarm refusing each other's pairs.)"""
     with swarm([OneBitCodec() for _ in range(4)], averager_type=[SwarmAverager] * 3 + [LosingOnePeer],
-               part_size_bytes=64, identities=signed) as averagers:
+               part_size_bytes=64, identities=signed, matchmaking_time=6.0) as averagers:  # all four, under load
         honest = averagers[:3]
         outcomes = play(averagers, grads_of_round(0, 4), [1000.0] * 4, group_size=4)[:3]
         assert all(o.group_size == 4 for o in outcomes)
