@@ -129,7 +129,8 @@ def test_sigterm_to_every_python_process_of_join_still_saves_and_exits_0(tmp_pat
         try:
             code = join.popen.wait(60)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running 60 s after SIGTERM:\n{join.err()[-3000:]}") from None
+            raise AssertionError(f"still running 60 s after SIGTERM:\n{join.err()[-3000:]}\n{join.stacks()}") \
+                from None
         _, alive = psutil.wait_procs(descendants, timeout=10)
     finally:
         join.kill()
