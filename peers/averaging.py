@@ -75,7 +75,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Mapping, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Optional, Sequence
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -451,8 +451,7 @@ class SwarmAverager(AveragerBase):
         # ... and the reducers of spans this peer refused while a groupmate took them, with the step of the first
         # such round: that groupmate holds the reducer disputed from then.
         self._disputed_by_groupmates_in_step: dict[str, float] = {}
-        # ... and the peers a pair partner banned (`heed_partners_bans`), with the step its note was first read in.
-        self._partners_banned_in_step: dict[str, float] = {}
+        self._partners_banned: set[str] = set()  # averager process: peers a pair partner banned (`heed_partners_bans`)
         # How many pair rules the host has sent, and (averager process) which one it holds: an all-reduce waits
         # for the latest before it decides (the rule travels on the control pipe, the trigger does not).
         self._pair_rules_sent = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -683,22 +682,19 @@ class SwarmAverager(AveragerBase):
 
     async def _heed_partners_bans(self, peer_ids: frozenset[str]) -> None:
         reputation = self._reputation
-        for peer in peer_ids:
-            self._partners_banned_in_step.setdefault(peer, self._steps_begun)
+        self._partners_banned |= peer_ids
         self._corroborate(peer_ids)
-        for peer in sorted(peer_ids - reputation.disputed):
-            if peer not in reputation.banned:
-                logger.info("holding %s disputed: a pair partner of ours has banned it", peer)
-            # a step of grace as a leader (`_skipped_leader`) from the note's first reading, as the partner has
-            self._disputed_in_step.setdefault(peer, self._partners_banned_in_step[peer])
+        for peer in sorted(peer_ids - reputation.disputed - set(reputation.banned)):
+            logger.info("holding %s disputed: a pair partner of ours has banned it", peer)
         reputation.disputed |= peer_ids
+        for peer in peer_ids:  # a partner's ban: no step of grace as a leader (`_skipped_leader`)
+            self._disputed_in_step.pop(peer, None)
 
     def _corroborate(self, peer_ids: Collection[str]) -> None:
         """Ban those of `peer_ids` that a pair partner banned and this peer rejected in a round of its own."""
-        noted = self._partners_banned_in_step
-        banned = [peer for peer in sorted(noted.keys() & set(peer_ids)) if self._reputation.corroborate(peer)]
+        banned = [peer for peer in sorted(self._partners_banned & set(peer_ids)) if self._reputation.corroborate(peer)]
         if banned:
-            self._count_bans(since=noted)  # the partner that banned it follows it a step longer too
+            self._count_bans(grace=False)  # the partners banned it a while ago, and skip it already
 
     def banned_peers(self) -> dict[str, str]:
         """Peers this one has banned for the run (peer id -> the reason it was last rejected for)."""
@@ -790,13 +786,11 @@ class SwarmAverager(AveragerBase):
         then missed the group they formed with it, averaged alone and downloaded the swarm's state a round later
         (seen for an unsigned two-faced reducer the peer was told the truth by, and for an "A Little Is Enough"
         peer banned a round early, whose three honest groupmates then downloaded the state in turn). In that group
-        a banned leader's parts are left out and its span's answers unused, as a banned follower's. A pair
-        partner's ban (`heed_partners_bans`) counts from the step its note was first read in, as that partner
-        follows the leader a step longer too (seen: skipped at once, by the two peers that banned an "A Little Is
-        Enough" peer on the note of the third and a strike of their own, it left the third in a pair with it, and a
-        state download). A peer just banned here whose span a groupmate took when this peer refused it in an
-        earlier step is skipped at once: that groupmate has held it disputed since, and skips it now (the peer an
-        unsigned two-faced reducer lied to, following it, was left in a pair with it, which it refused).
+        a banned leader's parts are left out and its span's answers unused, as a banned follower's. A peer a pair
+        partner banned (`heed_partners_bans`) is skipped at once, and so is one just banned here whose span a
+        groupmate took when this peer refused it in an earlier step: that groupmate has held it disputed since,
+        and skips it now (the peer an unsigned two-faced reducer lied to, following it, was left in a pair with it,
+        which it refused).
         As a follower such a peer can still join our group, and a peer only caught is still followed: a group of
         three it leads is where the robust rule strikes it again (skipping those too left a 2 + 1 sign flip's
         honest peers each leading a group the attacker alone joined, no second strike, and 2.51 val loss)."""
@@ -879,11 +873,11 @@ class SwarmAverager(AveragerBase):
             self._count_bans()
             self._corroborate(rejected)
 
-    def _count_bans(self, since: Optional[Mapping[str, float]] = None) -> None:
-        """Tell the host how many peers this one has banned, and note the step of each new ban (from which it is
-        followed as a leader one more step, `_skipped_leader`): this one, or the step `since` gives."""
+    def _count_bans(self, grace: bool = True) -> None:
+        """Tell the host how many peers this one has banned, and note the step of each new ban (`grace`: a step
+        that still follows it as a leader, `_skipped_leader`)."""
         for peer in self._reputation.banned.keys() - self._banned_in_step.keys():
-            self._banned_in_step[peer] = (since or {}).get(peer, self._steps_begun)
+            self._banned_in_step[peer] = self._steps_begun if grace else -math.inf
         self._banned_count.fill_(len(self._reputation.banned))
 
     def _excused(self, peer_ids: Sequence[PeerID], out_of_step: frozenset) -> Excused:

@@ -668,31 +668,6 @@ def test_a_peer_follows_a_leader_it_banned_for_one_more_step_then_never():
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_a_peer_banning_on_a_partners_note_follows_the_leader_one_more_step_as_the_partner_does():
-    """A partner's note comes from a peer that has just banned the attacker and follows it one more step. A peer
-    that bans it on that note and a strike of its own follows it that step too, and skips it from the step after
-    (skipping it at once left the partner in a pair with it, refused, and a state download)."""
-    kinds = [_LeaderSkipReporting] * 3 + [SwarmAverager]
-    # (a long window: the leader begins once all four have joined, and a loaded machine may take seconds to)
-    with swarm([OneBitCodec() for _ in range(4)], averager_type=kinds, residual_carry=None,
-               matchmaking_time=6.0) as averagers:
-        honest, attacker = averagers[:3], averagers[3]
-        grads = grads_of_round(0, 4)
-        play(averagers, grads[:3] + [[-10 * g for g in grads[3]]], [1000.0] * 4, group_size=4)
-        told, partner = honest[0], honest[1]
-        wait_for(lambda: peer(attacker) in told.caught_peers())
-        told.heed_partners_bans({peer(attacker)})
-        wait_for(lambda: told.banned_count == 1)
-        assert told.banned_peers() == {peer(attacker): CORROBORATED}
-        for step_after_the_note in (1, 2):
-            told.schedule_round(30.0, tokens=1000.0, pair_partners=[peer(partner)])
-            assert told.skips_leader(peer(attacker)) == (step_after_the_note == 2)
-            assert not told.skips_leader(peer(partner))
-            told.cancel_scheduled_round()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(90)
 def test_a_peer_that_was_not_there_bans_a_proven_liar_once_it_meets_a_witness():
     """A two-faced reducer caught in a group of three: the witnesses show the proof to the first groupmate they
     meet that was not there, and it bans the liar too, without ever meeting it."""
