@@ -75,7 +75,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -451,7 +451,8 @@ class SwarmAverager(AveragerBase):
         # ... and the reducers of spans this peer refused while a groupmate took them, with the step of the first
         # such round: that groupmate holds the reducer disputed from then.
         self._disputed_by_groupmates_in_step: dict[str, float] = {}
-        self._partners_banned: set[str] = set()  # averager process: peers a pair partner banned (`heed_partners_bans`)
+        # ... and the peers a pair partner banned (`heed_partners_bans`), with the step of the first such ban.
+        self._partners_banned_in_step: dict[str, float] = {}
         # How many pair rules the host has sent, and (averager process) which one it holds: an all-reduce waits
         # for the latest before it decides (the rule travels on the control pipe, the trigger does not).
         self._pair_rules_sent = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -668,33 +669,41 @@ class SwarmAverager(AveragerBase):
                                      prefer_donors=frozenset(prefer_donors))
         return future.result(timeout=timeout) if wait else future
 
-    def heed_partners_bans(self, peer_ids: Collection[str]) -> None:
-        """A pair partner has banned `peer_ids` (base58; peers/ban_notes.py): ban those this peer has rejected in a
-        round of its own (`PeerReputation.corroborate`), and hold the others disputed, as the pair rules read it
-        (`caught_peers(disputed=True)`, the leaders a round skips while its pairs are for partners).
+    def heed_partners_bans(self, rounds_ago: Mapping[str, int]) -> None:
+        """A pair partner has banned the peers of `rounds_ago` (base58; peers/ban_notes.py), the first of them that
+        many rounds ago (0: in the round applied last): ban those this peer has rejected in a round of its own
+        (`PeerReputation.corroborate`), and hold the others disputed, as the pair rules read it
+        (`caught_peers(disputed=True)`, the leaders a round skips while its pairs are for partners). Call it
+        before the next round begins: a leader banned or disputed here is followed for one more step from the
+        first ban among this peer and its partners (`_skipped_leader`).
 
         A partner's word alone is no ban, since a partner may lie. But an "A Little Is Enough" peer's parts lie
         close to the honest ones, and the robust rule may flag them once here and twice at the others: they banned
         it, this peer did not, and their groups no longer took it, so the groups it led or joined with this peer
         were pairs this peer refused, round after round, its averages arriving rounds late (val loss 2.02 against
         1.89, benchmarks/swarm_attacks.py)."""
-        self.run_in_averager_process("_heed_partners_bans", peer_ids=frozenset(peer_ids))
+        self.run_in_averager_process("_heed_partners_bans", rounds_ago=dict(rounds_ago))
 
-    async def _heed_partners_bans(self, peer_ids: frozenset[str]) -> None:
-        reputation = self._reputation
-        self._partners_banned |= peer_ids
-        self._corroborate(peer_ids)
-        for peer in sorted(peer_ids - reputation.disputed - set(reputation.banned)):
-            logger.info("holding %s disputed: a pair partner of ours has banned it", peer)
-        reputation.disputed |= peer_ids
-        for peer in peer_ids:  # a partner's ban: no step of grace as a leader (`_skipped_leader`)
-            self._disputed_in_step.pop(peer, None)
+    async def _heed_partners_bans(self, rounds_ago: dict[str, int]) -> None:
+        reputation, noted = self._reputation, self._partners_banned_in_step
+        for peer, ago in rounds_ago.items():  # this step is the one after the round applied last
+            noted[peer] = min(noted.get(peer, math.inf), self._steps_begun - ago)
+            for marks in (self._banned_in_step, self._disputed_in_step):
+                if peer in marks:  # the partner leaves it as a leader no later than that step says
+                    marks[peer] = min(marks[peer], noted[peer])
+        self._corroborate(rounds_ago)
+        for peer in sorted(rounds_ago.keys() - reputation.disputed):
+            if peer not in reputation.banned:
+                logger.info("holding %s disputed: a pair partner of ours has banned it", peer)
+            self._disputed_in_step[peer] = noted[peer]
+        reputation.disputed |= rounds_ago.keys()
 
     def _corroborate(self, peer_ids: Collection[str]) -> None:
         """Ban those of `peer_ids` that a pair partner banned and this peer rejected in a round of its own."""
-        banned = [peer for peer in sorted(self._partners_banned & set(peer_ids)) if self._reputation.corroborate(peer)]
+        noted = self._partners_banned_in_step
+        banned = [peer for peer in sorted(noted.keys() & set(peer_ids)) if self._reputation.corroborate(peer)]
         if banned:
-            self._count_bans(grace=False)  # the partners banned it a while ago, and skip it already
+            self._count_bans(since=noted)  # in step with the partner's ban
 
     def banned_peers(self) -> dict[str, str]:
         """Peers this one has banned for the run (peer id -> the reason it was last rejected for)."""
@@ -786,11 +795,14 @@ class SwarmAverager(AveragerBase):
         then missed the group they formed with it, averaged alone and downloaded the swarm's state a round later
         (seen for an unsigned two-faced reducer the peer was told the truth by, and for an "A Little Is Enough"
         peer banned a round early, whose three honest groupmates then downloaded the state in turn). In that group
-        a banned leader's parts are left out and its span's answers unused, as a banned follower's. A peer a pair
-        partner banned (`heed_partners_bans`) is skipped at once, and so is one just banned here whose span a
-        groupmate took when this peer refused it in an earlier step: that groupmate has held it disputed since,
-        and skips it now (the peer an unsigned two-faced reducer lied to, following it, was left in a pair with it,
-        which it refused).
+        a banned leader's parts are left out and its span's answers unused, as a banned follower's. The step counts
+        from the first ban among this peer and its pair partners (`heed_partners_bans`: their notes give the round
+        of each ban), so that they leave the leader in the same step (seen: a peer that banned an "A Little Is
+        Enough" peer on its own second strike a round after its partners, followed it in that step of grace into a
+        refused pair and a state download; and two that banned it at once on a partner's note skipped the group
+        that partner still followed). A peer just banned here whose span a groupmate took when this peer refused
+        it in an earlier step is skipped at once: that groupmate has held it disputed since, and skips it now (the
+        peer an unsigned two-faced reducer lied to, following it, was left in a pair with it, which it refused).
         As a follower such a peer can still join our group, and a peer only caught is still followed: a group of
         three it leads is where the robust rule strikes it again (skipping those too left a 2 + 1 sign flip's
         honest peers each leading a group the attacker alone joined, no second strike, and 2.51 val loss)."""
@@ -873,11 +885,11 @@ class SwarmAverager(AveragerBase):
             self._count_bans()
             self._corroborate(rejected)
 
-    def _count_bans(self, grace: bool = True) -> None:
-        """Tell the host how many peers this one has banned, and note the step of each new ban (`grace`: a step
-        that still follows it as a leader, `_skipped_leader`)."""
+    def _count_bans(self, since: Optional[Mapping[str, float]] = None) -> None:
+        """Tell the host how many peers this one has banned, and note the step of each new ban (a leader is
+        followed one more step, `_skipped_leader`): this one, or the step `since` gives."""
         for peer in self._reputation.banned.keys() - self._banned_in_step.keys():
-            self._banned_in_step[peer] = self._steps_begun if grace else -math.inf
+            self._banned_in_step[peer] = (since or {}).get(peer, self._steps_begun)
         self._banned_count.fill_(len(self._reputation.banned))
 
     def _excused(self, peer_ids: Sequence[PeerID], out_of_step: frozenset) -> Excused:

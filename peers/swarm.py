@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Optional, Protocol, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional, Protocol, Sequence
 
 import torch
 
@@ -102,7 +102,7 @@ class RoundAverager(Protocol):
 
     def caught_peers(self, disputed: bool = False) -> set[str]: ...
 
-    def heed_partners_bans(self, peer_ids: Collection[str]) -> None: ...
+    def heed_partners_bans(self, rounds_ago: Mapping[str, int]) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -451,14 +451,14 @@ class SwarmPeer:
         self._forget_banned()  # a ban that came after the last round (a proof, say) must not count as a live peer
         untrusted = self.averager.caught_peers(disputed=True)
         noted = self.ban_notes.noted_by(self._averaged_with - untrusted)
-        if noted:
-            self.averager.heed_partners_bans(noted)  # once a round; the averager acts on each peer once
-        return self.schedule.pair_partners(self._averaged_with, untrusted | noted, self._rounds_alone)
+        if noted:  # each round, with how many rounds ago a partner first banned each peer
+            self.averager.heed_partners_bans({peer: max(0, self.round - first) for peer, first in noted.items()})
+        return self.schedule.pair_partners(self._averaged_with, untrusted | set(noted), self._rounds_alone)
 
     def share_bans(self) -> None:
         """Publish whom this peer has banned, and read whom the others have (peers/ban_notes.py); called from the
         metrics thread."""
-        self.ban_notes.exchange(self.averager.banned_peers() if self.averager.banned_count else ())
+        self.ban_notes.exchange(self.averager.banned_peers() if self.averager.banned_count else (), self.round)
 
     def _forget_banned(self) -> None:
         """Leave the peers this one has banned out of the round clock."""

@@ -553,7 +553,7 @@ def test_a_peer_disputed_on_a_partners_word_is_neither_caught_nor_banned():
     evidence of our own."""
     noted = "QmXZxD93YBoPnzWwrQc1s2sNSiu47kWZSRG31bNxbk68e4"
     with swarm([OneBitCodec()]) as (averager,):
-        averager.heed_partners_bans({noted})
+        averager.heed_partners_bans({noted: 0})
         assert averager.caught_peers(disputed=True) == {noted}
         assert averager.caught_peers() == set() and averager.banned_count == 0
 

@@ -359,12 +359,12 @@ def test_a_peer_rejected_here_once_and_banned_by_a_pair_partner_is_banned_here_t
     # (a long window: the leader begins once all four have joined, and a loaded machine may take seconds to)
     with swarm([OneBitCodec() for _ in range(4)], residual_carry=None, matchmaking_time=6.0) as averagers:
         (struck_then_told, told_then_struck, struck_only), attacker = averagers[:3], averagers[3]
-        told_then_struck.heed_partners_bans({peer(attacker)})
+        told_then_struck.heed_partners_bans({peer(attacker): 0})
         grads = grads_of_round(0, 4)
         play(averagers, grads[:3] + [[-10 * g for g in grads[3]]], [1000.0] * 4, group_size=4)
         wait_for(lambda: told_then_struck.banned_count == 1)
         assert struck_then_told.banned_count == 0 and peer(attacker) in struck_then_told.caught_peers()
-        struck_then_told.heed_partners_bans({peer(attacker)})
+        struck_then_told.heed_partners_bans({peer(attacker): 0})
         wait_for(lambda: struck_then_told.banned_count == 1)
         for averager in (struck_then_told, told_then_struck):
             assert averager.banned_peers() == {peer(attacker): CORROBORATED}
@@ -668,6 +668,50 @@ def test_a_peer_follows_a_leader_it_banned_for_one_more_step_then_never():
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_a_leader_is_followed_one_step_from_the_first_ban_among_a_peer_and_its_partners():
+    """A peer that banned the liar in the round its partner's note dates a round earlier leaves it as a leader at
+    once, as that partner does; a peer without such a note follows it one more step (a step of grace of its own
+    left the late one in a refused pair with the leader its partners had left, and a state download)."""
+    kinds = [_LeaderSkipReporting] * 2 + [TwoFacedReducer]
+    with swarm([OneBitCodec() for _ in range(3)], averager_type=kinds, identities=True) as averagers:
+        (late, alone), liar = averagers[:2], averagers[2]
+        play(averagers, grads_of_round(0, 3), [1000.0] * 3, group_size=3)
+        wait_for(lambda: late.banned_count == 1 and alone.banned_count == 1)
+        late.heed_partners_bans({peer(liar): 1})  # a partner, banned it a round before
+        for averager in (late, alone):
+            averager.schedule_round(30.0, tokens=1000.0)
+        assert late.skips_leader(peer(liar)) and not alone.skips_leader(peer(liar))
+        for averager in (late, alone):
+            averager.cancel_scheduled_round()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_peer_banning_on_a_partners_note_of_this_round_follows_the_leader_one_more_step_as_the_partner_does():
+    """The partner banned the attacker in the round applied last, and follows it one more step. A peer that bans
+    it on that note and a strike of its own follows it that step too, and skips it from the step after (skipping
+    it at once left the partner in a pair with it, refused, and a state download)."""
+    kinds = [_LeaderSkipReporting] * 3 + [SwarmAverager]
+    # (a long window: the leader begins once all four have joined, and a loaded machine may take seconds to)
+    with swarm([OneBitCodec() for _ in range(4)], averager_type=kinds, residual_carry=None,
+               matchmaking_time=6.0) as averagers:
+        honest, attacker = averagers[:3], averagers[3]
+        grads = grads_of_round(0, 4)
+        play(averagers, grads[:3] + [[-10 * g for g in grads[3]]], [1000.0] * 4, group_size=4)
+        told, partner = honest[0], honest[1]
+        wait_for(lambda: peer(attacker) in told.caught_peers())
+        told.heed_partners_bans({peer(attacker): 0})
+        wait_for(lambda: told.banned_count == 1)
+        assert told.banned_peers() == {peer(attacker): CORROBORATED}
+        for step_after_the_note in (1, 2):
+            told.schedule_round(30.0, tokens=1000.0, pair_partners=[peer(partner)])
+            assert told.skips_leader(peer(attacker)) == (step_after_the_note == 2)
+            assert not told.skips_leader(peer(partner))
+            told.cancel_scheduled_round()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_peer_that_was_not_there_bans_a_proven_liar_once_it_meets_a_witness():
     """A two-faced reducer caught in a group of three: the witnesses show the proof to the first groupmate they
     meet that was not there, and it bans the liar too, without ever meeting it."""
@@ -788,8 +832,8 @@ def test_join_swarm_with_a_sign_flipping_attacker_trains_on_and_bans_it(spawn, t
             assert main(["peers", "--initial-peers", bootstrap, "--run-id", "attacked", "--json"]) == 0
             records = {record["name"]: record for record in json.loads(capsys.readouterr().out)}
             banned = [records[name]["banned_peers"] if name in records else 0 for name in "abc"]
-            notes.exchange([])
-            told = [notes.noted_by([peer_id]) for peer_id in honest_ids]
+            notes.exchange([], round_number=0)
+            told = [set(notes.noted_by([peer_id])) for peer_id in honest_ids]
             if (min(banned) >= 1 and all(told)) or time.monotonic() > deadline:
                 break
             time.sleep(2)

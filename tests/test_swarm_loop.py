@@ -85,6 +85,7 @@ class ScriptedAverager:
         self.banned = dict(banned or {})  # peer id -> why, as SwarmAverager.banned_peers()
         self.caught = set(caught)  # peers rejected once, not banned
         self.disputed: set[str] = set()  # as SwarmAverager.heed_partners_bans() was told
+        self.heeded: list[dict[str, int]] = []  # each call's rounds_ago
         self.matchmaking_time, self.round_timeout = MATCHMAKING_S, 5.0
         self.state_sharing_priority = 0.0
         self.round_scheduled = False
@@ -119,8 +120,9 @@ class ScriptedAverager:
     def caught_peers(self, disputed: bool = False) -> set[str]:
         return self.caught | set(self.banned) | (self.disputed if disputed else set())
 
-    def heed_partners_bans(self, peer_ids) -> None:
-        self.disputed |= set(peer_ids)
+    def heed_partners_bans(self, rounds_ago) -> None:
+        self.heeded.append(dict(rounds_ago))
+        self.disputed |= set(rounds_ago)
 
     def shutdown(self) -> None:
         pass
@@ -339,7 +341,7 @@ def test_with_three_live_peers_pairs_are_taken_only_with_peers_averaged_with_and
 
 def test_a_peer_that_a_pair_partner_banned_is_no_pair_partner_and_is_held_disputed(corpus, tmp_path):
     """Bans told by the others (peers/ban_notes.py) count from pair partners only, not from a peer never averaged
-    with, nor from a partner this peer has caught."""
+    with, nor from a partner this peer has caught; the averager hears how many rounds ago a partner banned each."""
     clock = QuietClock()
     now = time.time()
     clock.observe([Progress(0, 0, 0.0, now, "peer-1"), Progress(0, 0, 0.0, now, "peer-2")])  # live, idle
@@ -350,11 +352,12 @@ def test_a_peer_that_a_pair_partner_banned_is_no_pair_partner_and_is_held_disput
         return averaged_with_group([0.5 * g for g in gradient], [metadata] * 4)
 
     peer = make_peer(corpus, tmp_path / "notes", rounds, max_steps=2 * 3 * H, clock=clock, caught={"peer-2"})
-    peer.ban_notes.observe({"peer-1": frozenset({"peer-3"}), "stranger": frozenset({"peer-0"}),
-                            "peer-2": frozenset({"peer-1"}), "peer-0": frozenset({"me"})})
+    peer.ban_notes.observe({"peer-1": {"peer-3": 0}, "stranger": {"peer-0": 0}, "peer-2": {"peer-1": 0},
+                            "peer-0": {"me": 0, "peer-3": 1}})
     peer.run()
     assert peer.averager.pair_partners[1] == {"peer-0", "peer-1"}
     assert peer.averager.disputed == {"peer-3"}
+    assert peer.averager.heeded[0] == {"peer-3": 1}  # before round 2: banned in round 0, the first of two notes
 
 
 def test_bans_are_exchanged_each_round_not_only_with_the_record(corpus, tmp_path):

@@ -335,23 +335,30 @@ def test_fake_progress_records_do_not_stall_rounds(nodes):
 
 
 def test_bans_are_told_under_each_peers_own_signature_and_bounded(nodes):
-    """A peer's note names the peers it banned, read as that peer's (its signature's) word; a note that claims
-    another peer's name, or names too many or ill-formed ids, is refused by every node."""
+    """A peer's note names the peers it banned and the round of each ban, read as that peer's (its signature's)
+    word; a note that claims another peer's name, names too many or ill-formed ids, or gives no round or a negative
+    one for a ban, is refused by every node."""
     teller_node, reader_node, forger_node = nodes("teller"), nodes("reader"), nodes("forger")
     teller = BanNotes(teller_node, RUN, str(teller_node.peer_id))
     reader = BanNotes(reader_node, RUN, str(reader_node.peer_id))
     attacker_id = str(forger_node.peer_id)
-    teller.exchange([attacker_id, str(reader_node.peer_id)])
-    reader.exchange([])  # nothing banned: nothing published
-    assert reader.noted_by([str(teller_node.peer_id)]) == {attacker_id}  # never ourselves
-    assert reader.noted_by([attacker_id]) == frozenset()
+    teller.exchange([attacker_id], round_number=4)
+    teller.exchange([attacker_id, str(reader_node.peer_id)], round_number=6)  # a ban keeps the round first told
+    reader.exchange([], round_number=9)  # nothing banned: nothing published
+    assert reader.noted_by([str(teller_node.peer_id)]) == {attacker_id: 4}  # never ourselves
+    assert reader.noted_by([attacker_id]) == {}
     key = ban_note_record(RUN).key
     owner = signer_for(forger_node).local_public_key
     for banned in (("Qm" + "1" * 44,) * (MAX_NOTED_BANS + 1), ("not base58: 0OIl",), ("Q" * 65,)):
-        assert not forger_node.store(key, {"banned": banned}, get_dht_time() + 30, subkey=owner)
-    assert not forger_node.store(key, {"banned": (attacker_id,)}, get_dht_time() + 30,
+        assert not forger_node.store(key, {"banned": banned, "rounds": (0,) * len(banned)}, get_dht_time() + 30,
+                                     subkey=owner)
+    for rounds in ((), (0, 1), (-1,), ("1",)):
+        assert not forger_node.store(key, {"banned": (attacker_id,), "rounds": rounds}, get_dht_time() + 30,
+                                     subkey=owner)
+    assert not forger_node.store(key, {"banned": (attacker_id,), "rounds": (0,)}, get_dht_time() + 30,
                                  subkey=signer_for(teller_node).local_public_key)  # signed by someone else
-    assert forger_node.store(key, {"banned": (str(teller_node.peer_id),)}, get_dht_time() + 30, subkey=owner)
-    reader.exchange([])
-    assert reader.noted_by([attacker_id]) == {str(teller_node.peer_id)}  # well-formed: its own word
-    assert reader.noted_by([str(teller_node.peer_id)]) == {attacker_id}  # the forgery changed nothing
+    assert forger_node.store(key, {"banned": (str(teller_node.peer_id),), "rounds": (3,)}, get_dht_time() + 30,
+                             subkey=owner)
+    reader.exchange([], round_number=9)
+    assert reader.noted_by([attacker_id]) == {str(teller_node.peer_id): 3}  # well-formed: its own word
+    assert reader.noted_by([str(teller_node.peer_id)]) == {attacker_id: 4}  # the forgery changed nothing
