@@ -742,8 +742,9 @@ def test_groupmates_disputing_spans_cost_at_most_one_span_and_frame_nobody(dispu
     honest peers apply the same average, and the honest reducer of that span is struck by nobody: fewer than
     half of its group claim to have refused it."""
     count = 3 + len(disputers)
+    # (a long window: the leader begins once all of them have joined, and a loaded machine may take seconds to)
     with swarm([OneBitCodec() for _ in range(count)], averager_type=[SwarmAverager] * 3 + disputers,
-               part_size_bytes=64) as averagers:
+               part_size_bytes=64, matchmaking_time=6.0) as averagers:
         for round_number in range(2):  # two rounds: two strikes would ban
             grads = grads_of_round(round_number, count)
             outcomes = play(averagers, grads, [1000.0] * count, group_size=count)[:3]
