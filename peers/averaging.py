@@ -100,6 +100,7 @@ from tscale_p2p.peers.hivemind_seam import (
     outputs_registered,
     parts_sent_to,
 )
+from tscale_p2p.peers.network import ctrl_c_held_while_forking
 from tscale_p2p.peers.reputation import COLLUDING, Excused, PeerReputation
 from tscale_p2p.peers.robust import high_median, robust_aggregate
 from tscale_p2p.peers.span_agreement import (
@@ -497,7 +498,8 @@ class SwarmAverager(AveragerBase):
         """Start the averager process. hivemind's version makes *this* process ignore SIGINT for good (so
         Ctrl+C stops working, here and in every program it starts later) and fails off the main thread;
         the averager process ignores SIGINT itself instead (`run`)."""
-        self.start()
+        with ctrl_c_held_while_forking():
+            self.start()
         if await_ready:
             self.wait_until_ready(timeout)
 

@@ -7,12 +7,14 @@ for a malformed address) and hand hivemind plain strings.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +105,27 @@ def _leave_to_the_parent(signum, frame) -> None:
     """A child's SIGTERM handler: nothing to do (the parent shuts the child down)."""
 
 
+@contextlib.contextmanager
+def ctrl_c_held_while_forking():
+    """Hold a Ctrl+C that comes while a child process is forked and deliver it once the fork is done.
+
+    The fork runs Python's at-fork hooks (logging's lock release among them) as Python code, and a
+    KeyboardInterrupt raised inside one is printed as "Exception ignored" and dropped: this process would go on
+    as if Ctrl+C had never been pressed. Off the main thread there is no Ctrl+C to hold (Python delivers it to
+    the main thread alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)  # to the handler this process had, as if it came now
+
+
 def _detach_from_terminal() -> None:
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -126,7 +149,7 @@ def start_dht(options: NetworkOptions, should_stop: Callable[[], bool] = lambda:
     while True:
         attempt += 1
         try:
-            return DHT(
+            dht = DHT(
                 initial_peers=list(options.initial_peers),
                 host_maddrs=list(options.host_maddrs),
                 announce_maddrs=list(options.announce_maddrs) or None,
@@ -134,8 +157,12 @@ def start_dht(options: NetworkOptions, should_stop: Callable[[], bool] = lambda:
                 identity_path=str(Path(options.identity_path).expanduser()) if options.identity_path else None,
                 use_relay=True,
                 use_auto_relay=options.client_mode,
-                start=True,
+                start=False,
             )
+            with ctrl_c_held_while_forking():
+                dht.start()
+            dht.wait_until_ready()
+            return dht
         except (P2PDaemonError, RuntimeError) as error:
             reason = _first_line(error)
             if "already taken" in reason:
