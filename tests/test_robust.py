@@ -767,7 +767,8 @@ def test_a_groupmate_that_lost_a_span_leaves_its_reducer_trusted(signed):
     honest peers keep one another as pair partners. (Counted as a dispute, an attacker that lost one honest
     reducer's span left the two honest peers of a 2 + 1 swarm refusing each other's pairs.)"""
     with swarm([OneBitCodec() for _ in range(4)], averager_type=[SwarmAverager] * 3 + [LosingOnePeer],
-               part_size_bytes=64, identities=signed, matchmaking_time=6.0) as averagers:  # all four, under load
+               part_size_bytes=64, identities=signed, matchmaking_time=6.0,
+               next_chunk_timeout=15.0) as averagers:  # all four, and no span of theirs lost, under load
         honest = averagers[:3]
         outcomes = play(averagers, grads_of_round(0, 4), [1000.0] * 4, group_size=4)[:3]
         assert all(o.group_size == 4 for o in outcomes)
