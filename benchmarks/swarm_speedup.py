@@ -1,7 +1,7 @@
 """What joining buys, as a volunteer sees it: one peer alone against 4 peers in the swarm (in process).
 
     python benchmarks/swarm_speedup.py --data PATH/tinyshakespeare.txt [--steps 2000] [--inner-steps 50]
-        [--batch-size 8] [--apply-after 10] [--round-time 0.9] [--swarm-steps N] [--out DIR]
+        [--batch-size 8] [--apply-after 10] [--round-time 0.9] [--swarm-steps N] [--seed S] [--out DIR]
 
 - solo       one trainer of batch B for `--steps` N steps (join's inner AdamW and schedule), evaluated every
              `--inner-steps` H steps; its last val loss is the target L.
@@ -93,6 +93,8 @@ def main() -> None:
                         f"{', '.join(ROWS)} (to split one comparison across processes; default: all)")
     parser.add_argument("--swarm-steps", type=int, help="the swarm rows' schedule in steps a peer (default: "
                         "--steps, the solo run's)")
+    parser.add_argument("--seed", type=int, default=0, help="a repeat of the comparison with other random draws: "
+                        "the initial weights and every row's batches")
     parser.add_argument("--out", help="folder for table.md and results.json (the curves)")
     args = parser.parse_args()
     rows_wanted = args.rows.split(",")
@@ -104,11 +106,13 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.apply_after <= args.inner_steps:
         parser.error(f"--apply-after must be in 0..--inner-steps ({args.inner_steps}), got {args.apply_after}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     if not args.round_time >= 0:
         parser.error(f"--round-time must be >= 0 seconds, got {args.round_time}")
     # the rows of swarm_convergence.py that this reuses, from a cold start
     carry = ERROR_FEEDBACK_CARRY[DEFAULT_ERROR_FEEDBACK[args.codec]]
-    args.from_step, args.seed, args.start_state, args.carry = 0, 0, None, carry
+    args.from_step, args.start_state, args.carry = 0, None, carry
     torch.set_num_threads(1)
     started = time.perf_counter()
 
@@ -136,7 +140,7 @@ def main() -> None:
     lines = [
         f"model {args.model} on {args.device}, batch {args.batch_size} a peer, N={args.steps} steps (warm-up "
         f"{args.warmup}, cosine), inner lr {args.lr}, H={args.inner_steps}, outer lr {args.outer_lr} momentum "
-        f"{args.outer_momentum}, the swarm rows' schedule {args.swarm_steps} steps, averages applied {args.apply_after} steps into the next round; target: the solo "
+        f"{args.outer_momentum}, seed {args.seed}, the swarm rows' schedule {args.swarm_steps} steps, averages applied {args.apply_after} steps into the next round; target: the solo "
         f"run's final val loss {target:.4f}; t_step {1000 * step_s:.1f} ms (median of the solo run), t_round "
         f"{args.round_time} s{' (the real swarm measured 0.7-1.1 s, RESULTS.md)' if args.round_time == MEASURED_ROUND_S else ''}; "
         f"{time.perf_counter() - started:.0f} s",
