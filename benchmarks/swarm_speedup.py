@@ -1,7 +1,8 @@
 """What joining buys, as a volunteer sees it: one peer alone against 4 peers in the swarm (in process).
 
     python benchmarks/swarm_speedup.py --data PATH/tinyshakespeare.txt [--steps 2000] [--inner-steps 50]
-        [--batch-size 8] [--apply-after 10] [--round-time 0.9] [--swarm-steps N] [--seed S] [--out DIR]
+        [--batch-size 8] [--apply-after 10] [--round-time 0.9] [--swarm-steps N] [--peer-lr LR] [--seed S]
+        [--out DIR]
 
 - solo       one trainer of batch B for `--steps` N steps (join's inner AdamW and schedule), evaluated every
              `--inner-steps` H steps; its last val loss is the target L.
@@ -71,7 +72,7 @@ def swarm(args, averaging: str, target: float) -> list[tuple[int, float]]:
         print(f"{averaging}, {steps} steps a peer: {curve[-1][1]:.4f}", flush=True)
         return curve[-1][1] <= target
 
-    diloco_in_process(args, args.apply_after, args.outer_lr, averaging, args.lr, on_round=scored)
+    diloco_in_process(args, args.apply_after, args.outer_lr, averaging, args.peer_lr, on_round=scored)
     return curve
 
 
@@ -93,6 +94,9 @@ def main() -> None:
                         f"{', '.join(ROWS)} (to split one comparison across processes; default: all)")
     parser.add_argument("--swarm-steps", type=int, help="the swarm rows' schedule in steps a peer (default: "
                         "--steps, the solo run's)")
+    parser.add_argument("--peer-lr", type=float, help="the swarm rows' inner peak lr (default: --lr, the solo "
+                        "run's): averaging evens out noise, so peers may take shorter steps and the outer step "
+                        "longer ones")
     parser.add_argument("--seed", type=int, default=0, help="a repeat of the comparison with other random draws: "
                         "the initial weights and every row's batches")
     parser.add_argument("--out", help="folder for table.md and results.json (the curves)")
@@ -106,6 +110,9 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.apply_after <= args.inner_steps:
         parser.error(f"--apply-after must be in 0..--inner-steps ({args.inner_steps}), got {args.apply_after}")
+    args.peer_lr = args.lr if args.peer_lr is None else args.peer_lr
+    if not args.peer_lr > 0:  # also refuses nan
+        parser.error(f"--peer-lr must be > 0, got {args.peer_lr}")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if not args.round_time >= 0:
@@ -139,10 +146,12 @@ def main() -> None:
     solo_wall = args.steps * step_s
     lines = [
         f"model {args.model} on {args.device}, batch {args.batch_size} a peer, N={args.steps} steps (warm-up "
-        f"{args.warmup}, cosine), inner lr {args.lr}, H={args.inner_steps}, outer lr {args.outer_lr} momentum "
-        f"{args.outer_momentum}, seed {args.seed}, the swarm rows' schedule {args.swarm_steps} steps, averages applied {args.apply_after} steps into the next round; target: the solo "
+        f"{args.warmup}, cosine), inner lr {args.lr} (the swarm's peers {args.peer_lr}), H={args.inner_steps}, "
+        f"outer lr {args.outer_lr} momentum {args.outer_momentum}, seed {args.seed}, the swarm rows' schedule "
+        f"{args.swarm_steps} steps, averages applied {args.apply_after} steps into the next round; target: the solo "
         f"run's final val loss {target:.4f}; t_step {1000 * step_s:.1f} ms (median of the solo run), t_round "
-        f"{args.round_time} s{' (the real swarm measured 0.7-1.1 s, RESULTS.md)' if args.round_time == MEASURED_ROUND_S else ''}; "
+        f"{args.round_time} s"
+        f"{' (the real swarm measured 0.7-1.1 s, RESULTS.md)' if args.round_time == MEASURED_ROUND_S else ''}; "
         f"{time.perf_counter() - started:.0f} s",
         "| run | steps a peer to the target (S) | rounds | compute multiplier N/S | volunteer wall time | "
         "speed-up in wall time | val loss there |",
