@@ -186,6 +186,14 @@ class InvalidContributionError(ValueError):
     """A tensor part from a peer that must not enter the average."""
 
 
+class ShortPartRefusal(InvalidContributionError):
+    """A reducer's average refused as far longer than our part of its span, where our part is no evidence against
+    the reducer: we trained under half the group's median tokens. Early in a run the learning rate's warm-up makes
+    an update grow faster than its steps (a peer a few steps into a cold first round found an honest average 69x its
+    part, 6.6x short of the median's tokens, against a bound of 66x), so the span is lost to us but its reducer
+    earns no strike; it is refused all the same, since such a peer is what a lying reducer aims at."""
+
+
 @dataclass(frozen=True)
 class RoundOutcome:
     """What one averaging round produced, as seen by this peer."""
@@ -1695,7 +1703,9 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             if refusal is None and key is not None and signature is None and len(buffers) == expected:
                 raise AllreduceException(f"{peer_id} sent no signature of its span")
         finally:
-            if refusal is not None:  # whatever ended the stream, a refused average counts against its reducer
+            if isinstance(refusal, ShortPartRefusal):  # lost to us, and no evidence against its reducer
+                self.reply_digests[peer_index] = NO_AVERAGE
+            elif refusal is not None:  # whatever ended the stream, a refused average counts against its reducer
                 self._invalid.setdefault(peer_id, f"an invalid average ({refusal})")
                 self.reply_digests[peer_index] = REFUSED
         if refusal is not None:
@@ -1775,15 +1785,17 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
 
         The token allowance is what lets a peer just past a state download, a few steps into its round, accept
         the group's average of whole rounds. A looser bound for such a peer (the contributions' `max_norm_ratio`)
-        let a reducer's 50x answer through to exactly the peers that had just resynced after its last lie.
+        let a reducer's 50x answer through to exactly the peers that had just resynced after its last lie. Such a
+        peer, under half the median's tokens, refuses with a `ShortPartRefusal`: the span is lost, with no strike.
         """
         if reference == 0:
             return
         allowance = max(1.0, self.median_tokens / self.weight) if self.weight > 0 else 1.0
         norm = float(averaged.norm())
         if norm > REPLY_NORM_RATIO * allowance * reference:
-            raise InvalidContributionError(f"average norm {norm:.3g} is over {REPLY_NORM_RATIO:g} x {allowance:.3g} "
-                                           f"x our part's {reference:.3g}")
+            short = self.weight < self.median_tokens / 2  # as `_points_away`: where our part is no evidence
+            raise (ShortPartRefusal if short else InvalidContributionError)(
+                f"average norm {norm:.3g} is over {REPLY_NORM_RATIO:g} x {allowance:.3g} x our part's {reference:.3g}")
 
     async def _count_outgoing(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         sent = self._sent_parts.setdefault(peer_index, [])

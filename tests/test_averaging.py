@@ -278,6 +278,23 @@ def test_a_peer_with_far_fewer_tokens_keeps_the_groups_average():
     assert first_round_error(outcomes[0].averaged, grads, tokens) < 1e-2
 
 
+def test_a_peer_far_short_of_the_groups_tokens_refuses_a_long_average_but_strikes_nobody():
+    """In a cold first round's learning-rate warm-up an update grows faster than its steps, so a peer a few steps
+    in can find an honest average longer than the token allowance admits. It refuses that span (its part is what a
+    lying reducer would aim at) but does not take the honest reducers for liars, and the others average as usual."""
+    tokens = [100.0, 5000.0, 5000.0]
+    # the others' parts 2000x ours: within a part's bound (100 x the 50x token allowance), while their average,
+    # ~1400x our part, is over the average's (10 x 50)
+    grads = [[g * 5e-4 for g in random_grads(0)], random_grads(1), random_grads(2)]
+    with swarm([OneBitCodec()] * 3) as averagers:
+        outcomes = run_round(averagers, grads, tokens)
+        short, caught = outcomes[0], [averager.caught_peers() for averager in averagers]
+    assert short.error is None and short.group_size == 3 and short.dropped_peers == 2  # both other spans refused
+    assert caught == [set(), set(), set()]
+    for got, want in zip(outcomes[1].averaged, outcomes[2].averaged):
+        assert torch.equal(got, want)
+
+
 def test_a_pair_with_a_peer_outside_pair_partners_is_refused_without_stalling_the_other():
     """`pair_partners` names whom a round averages with in a group of two. The refusing peer takes no average
     (nothing is owed for it) but still takes part, so a partner that accepts the pair gets their average
