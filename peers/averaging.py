@@ -1756,7 +1756,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         answer_squared = sum(float(a.norm()) ** 2 for a in answers)
         span = sum(s.numel() for s in sent_parts)
         noise = AGREEMENT_SIGMAS * math.sqrt(sent_squared * answer_squared / max(span, 1))
-        return agreement < -noise and self.weight >= self.median_tokens / 2
+        return agreement < -noise and self._own_parts_are_evidence
 
     def relayed_span(self, peer_index: int, buffers: Sequence[bytes], sent: torch.Tensor) -> list[torch.Tensor]:
         """The averages in a groupmate's copy of reducer `peer_index`'s span (`buffers`, its signature checked by
@@ -1778,6 +1778,13 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             raise InvalidContributionError("its averages point away from our parts of the span")
         return answers
 
+    @property
+    def _own_parts_are_evidence(self) -> bool:
+        """Whether our parts of a span can judge a reducer's average of it: we trained at least half the group's
+        median tokens. A peer a few steps into its round has an update too short (in the warm-up, shorter than its
+        tokens say) to tell an honest average from a lie."""
+        return self.weight >= self.median_tokens / 2
+
     def _check_reply_norm(self, averaged: torch.Tensor, reference: float) -> None:
         """Refuse an average that cannot be the robust aggregate of a group that includes our part: one longer
         than REPLY_NORM_RATIO times `reference` (our part's norm, or `reference_norms`' where that is more), times
@@ -1793,8 +1800,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         allowance = max(1.0, self.median_tokens / self.weight) if self.weight > 0 else 1.0
         norm = float(averaged.norm())
         if norm > REPLY_NORM_RATIO * allowance * reference:
-            short = self.weight < self.median_tokens / 2  # as `_points_away`: where our part is no evidence
-            raise (ShortPartRefusal if short else InvalidContributionError)(
+            raise (InvalidContributionError if self._own_parts_are_evidence else ShortPartRefusal)(
                 f"average norm {norm:.3g} is over {REPLY_NORM_RATIO:g} x {allowance:.3g} x our part's {reference:.3g}")
 
     async def _count_outgoing(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
