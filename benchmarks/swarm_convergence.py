@@ -113,9 +113,18 @@ def one_process(args) -> tuple[float, int]:
     return trainer.evaluate().loss, trainer.tokens_seen
 
 
-def carried(codec, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """What one of SwarmAverager's trips carries of x with `codec` (+ the residual, which keeps the rest)."""
-    return codec.carried(x.contiguous(), None if residual is None else residual.view(-1))
+def carried(codec, x: torch.Tensor, residual: torch.Tensor | None, error_scale: float = 1.0) -> torch.Tensor:
+    """What one of SwarmAverager's trips carries of x with `codec` (+ the residual, which keeps the rest).
+    `error_scale` scales the code's error (0: the trip is exact), a dial for how much a code's error costs, not a
+    code: what is not delivered stays in the residual, scaled alike."""
+    coded = codec.carried(x.contiguous(), None if residual is None else residual.view(-1))
+    if error_scale == 1.0:
+        return coded
+    if residual is None:
+        return x + error_scale * (coded - x)
+    owed = coded + residual.view_as(coded)  # the update plus the residual carried into this trip
+    residual.mul_(error_scale)
+    return owed - residual.view_as(coded)
 
 
 def round_lengths(total: int, inner_steps: int, first_rounds: list[int]) -> list[tuple[int, int]]:
@@ -170,7 +179,8 @@ VARIANTS = {
 }
 
 # --apply-after-trips: a row's numeric settings -> the argument they override
-TRIP_FIELDS = {"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry"}
+TRIP_FIELDS = {"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry",
+               "up_error": "up_error", "down_error": "down_error"}
 # --apply-after-trips: key -> (row label, TRIPS key)
 APPLY_AFTER_TRIPS = {
     "exact": ("exact mean", "exact"),
@@ -190,7 +200,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
     each round's steps per peer so far and the global weights once that round's average is applied (a copy); a
     true answer ends training there."""
     up, down = TRIPS[averaging]
-    args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr, "lr": peer_lr, **(overrides or {})})
+    args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr, "lr": peer_lr, "up_error": 1.0,
+                                 "down_error": 1.0, **(overrides or {})})
     codec = CODECS[args.codec](**getattr(args, "codec_options", {}))
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
     outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum) for t in peers]  # identical copies
@@ -211,7 +222,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                 for tensor in residual.values():
                     tensor.mul_(args.carry)
         if up != "exact":
-            coded = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None) for n in d}
+            coded = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None, args.up_error)
+                      for n in d}
                      for d, residual in zip(deltas, residuals)]
             if getattr(args, "own", codec.own_part_exact):  # as SwarmAverager, unless the row says otherwise
                 for i, (exact, sent, residual) in enumerate(zip(deltas, coded, residuals)):
@@ -224,8 +236,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
             if reducer_carry is not None:  # one residual for the whole model: as if each span kept its reducer
                 for tensor in residuals[-1].values():
                     tensor.mul_(reducer_carry)
-            previous = {n: carried(codec.return_trip, m, residuals[-1][n] if reducer_carry is not None else None)
-                        for n, m in previous.items()}
+            previous = {n: carried(codec.return_trip, m, residuals[-1][n] if reducer_carry is not None else None,
+                                   args.down_error) for n, m in previous.items()}
         if on_round is not None and on_round(start + steps, copy.deepcopy(outers[0]).step(previous)):
             break
     outers[0].step(previous)  # the last average arrives after training: apply it
@@ -314,8 +326,9 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 
 
 def trip_spec(spec: str) -> tuple[str, str, dict]:
-    """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]`
-    (rcarry: a reducer residual on the return trip, damped by X each round):
+    """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]
+    [;up_error=X][;down_error=X]` (rcarry: a reducer residual on the return trip, damped by X each round;
+    up_error, down_error: the trip's code error scaled by X, see `carried`):
     (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
