@@ -77,6 +77,16 @@ def run_config(args) -> RunConfig:
     return RunConfig.from_settings(cfg, model, "byte", args.inner_steps, args.outer_lr, args.outer_momentum)
 
 
+def opening_flags(args) -> list[str]:
+    """join's --opening-rounds and --opening-inner-steps for --first-rounds-plain (whose rounds must then be of one
+    length, as join's opening rounds are)."""
+    if not (args.first_rounds_plain and args.first_rounds):
+        return []
+    if len(set(args.first_rounds)) > 1:
+        raise SystemExit(f"the swarm's opening rounds are of one length; --first-rounds has {sorted(set(args.first_rounds))}")
+    return ["--opening-rounds", str(len(args.first_rounds)), "--opening-inner-steps", str(args.first_rounds[0])]
+
+
 def trainer_for(args, batch_size: int, seed: int) -> Trainer:
     run = run_config(args)
     device = torch.device(args.device)
@@ -207,13 +217,14 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
     outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum) for t in peers]  # identical copies
     rounds = [DelayedOuterStep(outer) for outer in outers]
     residuals = [{n: torch.zeros_like(w) for n, w in outers[0].weights.items()} for _ in range(len(peers) + 1)]
-    previous = None
+    previous, plain = None, False  # plain: the last round was an opening round (--first-rounds-plain)
     for round_number, (start, steps) in enumerate(round_lengths(args.steps, args.inner_steps, args.first_rounds)):
         deltas = []
         for trainer, bookkeeping in zip(peers, rounds):
             for step in range(steps + 1):
-                if previous is not None and step == min(delay, steps):
-                    trainer.apply_outer_update(bookkeeping.apply_average(trainer.snapshot(), previous))
+                if previous is not None and step == min(0 if plain else delay, steps):
+                    weights = bookkeeping.apply_average(trainer.snapshot(), previous, plain=plain)
+                    trainer.apply_outer_update(weights)
                 if step < steps:
                     trainer.local_step()
             deltas.append(bookkeeping.finish_round(trainer.snapshot()))
@@ -231,6 +242,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                                           len(peers), up in ("ef", "damped-ef"))
             deltas = coded
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
+        plain = args.first_rounds_plain and round_number < len(args.first_rounds)
         if down != "exact":
             reducer_carry = 1.0 if down == "ef" else getattr(args, "reducer_carry", None)
             if reducer_carry is not None:  # one residual for the whole model: as if each span kept its reducer
@@ -238,9 +250,9 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                     tensor.mul_(reducer_carry)
             previous = {n: carried(codec.return_trip, m, residuals[-1][n] if reducer_carry is not None else None,
                                    args.down_error) for n, m in previous.items()}
-        if on_round is not None and on_round(start + steps, copy.deepcopy(outers[0]).step(previous)):
+        if on_round is not None and on_round(start + steps, copy.deepcopy(outers[0]).step(previous, plain=plain)):
             break
-    outers[0].step(previous)  # the last average arrives after training: apply it
+    outers[0].step(previous, plain=plain)  # the last average arrives after training: apply it
     return val_loss(args, outers[0].weights), sum(t.tokens_seen for t in peers)
 
 
@@ -263,6 +275,7 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], b
         "--inner-steps", str(args.inner_steps), "--outer-lr", str(args.outer_lr),
         "--outer-momentum", str(args.outer_momentum), "--eval-batches", str(args.eval_batches),
         "--min-peers", str(args.peers), "--error-feedback", args.error_feedback, "--codec", args.codec,
+        *opening_flags(args),
     ]
     logs = [work / f"peer{i}.log" for i in range(args.peers)]
     processes = [bootstrap]
@@ -402,6 +415,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-rounds", default="", type=step_counts,
                         metavar="N,N,...", help="the in-process rows' first rounds, in steps each (e.g. 25,50,100: "
                         "shorter rounds where a cold start changes fastest); the rest are --inner-steps long")
+    parser.add_argument("--first-rounds-plain", action="store_true",
+                        help="each --first-rounds average applied before the next step, without outer momentum: "
+                        "synchronous plain averaging while a cold start changes fastest")
     parser.add_argument("--codec", default=DEFAULT_CODEC, choices=sorted(CODECS),
                         help="the codec of the compressed trips, in process and the swarm's (join --codec)")
 

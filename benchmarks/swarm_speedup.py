@@ -165,7 +165,7 @@ def main() -> None:
         if curve is combined:
             lines.append(f"| {name} | {steps} | - | {args.steps / steps:.2f} | - | - | {dict(curve)[steps]:.4f} |")
             continue
-        rounds = 0 if curve is solo_curve else -(-steps // args.inner_steps)
+        rounds = 0 if curve is solo_curve else [s for s, _ in curve].index(steps) + 1  # a curve point a round
         wall = steps * step_s + rounds * args.round_time
         lines.append(f"| {name} | {steps} | {rounds or '-'} | {args.steps / steps:.2f} | {wall:.1f} s | "
                      f"{solo_wall / wall:.2f}x | {dict(curve)[steps]:.4f} |")

@@ -55,6 +55,7 @@ from tscale_p2p.peers.settings import (
     DEFAULT_CODEC,
     DEFAULT_ERROR_FEEDBACK,
     DEFAULT_INNER_STEPS,
+    DEFAULT_OPENING_INNER_STEPS,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     ERROR_FEEDBACK_CARRY,
@@ -296,8 +297,8 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
         run.check_flags(options.run_id, explicit)
         if explicit.get("tokenizer") is not None:
             check_explicit_tokenizer(explicit["tokenizer"], run, options.run_id)
-        log.info("%s run %r (config %s): model %s, %d inner steps, codec %s", "joined" if published else "continuing",
-                 options.run_id, run.hash[:12], run.model_config.dims, run.inner_steps, run.codec)
+        log.info("%s run %r (config %s): model %s, %s, codec %s", "joined" if published else "continuing",
+                 options.run_id, run.hash[:12], run.model_config.dims, rounds_text(run), run.codec)
         if start is not None and ModelConfig.from_dict(start.model_config) != run.model_config:
             raise UserError(f"--init-from {start.path} holds model {ModelConfig.from_dict(start.model_config).dims}, "
                             f"but run {options.run_id!r} trains {run.model_config.dims}")
@@ -316,9 +317,11 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
             outer_lr=swarm.outer_lr or DEFAULT_OUTER_LR,
             outer_momentum=swarm.outer_momentum if swarm.outer_momentum is not None else DEFAULT_OUTER_MOMENTUM,
             codec=swarm.codec or DEFAULT_CODEC,
+            opening_rounds=swarm.opening_rounds or 0,
+            opening_inner_steps=swarm.opening_inner_steps or DEFAULT_OPENING_INNER_STEPS,
         )
-        log.info("started run %r (config %s): model %s, %d inner steps, codec %s", options.run_id, run.hash[:12],
-                 run.model_config.dims, run.inner_steps, run.codec)
+        log.info("started run %r (config %s): model %s, %s, codec %s", options.run_id, run.hash[:12],
+                 run.model_config.dims, rounds_text(run), run.codec)
     if cfg.index is not None or run.model_config.index is not None:
         from tscale_p2p.index import check_index_flag
 
@@ -368,6 +371,13 @@ def wait_for_peers(peer: SwarmPeer, count: int, should_stop) -> int:
             return count
         time.sleep(1.0)
     return 1
+
+
+def rounds_text(run: RunConfig) -> str:
+    """The run's rounds as its log line gives them."""
+    opening = (f" after {run.opening_rounds} opening rounds of {run.opening_inner_steps}"
+               if run.opening_rounds else "")
+    return f"{run.inner_steps} inner steps{opening}"
 
 
 def initial_weights(run: RunConfig) -> dict[str, torch.Tensor]:

@@ -58,13 +58,20 @@ class OuterOptimizer:
         )
 
     @torch.no_grad()
-    def step(self, pseudo_gradient: Mapping[str, torch.Tensor], momentum_rounds: int | None = None) -> Weights:
+    def step(self, pseudo_gradient: Mapping[str, torch.Tensor], momentum_rounds: int | None = None,
+             plain: bool = False) -> Weights:
         """Apply one outer step with the averaged pseudo-gradient; return the new global weights (not copies).
         `momentum_rounds`: the rounds the momentum holds (the swarm's round number, the same on every peer in step;
-        None: enough for the oversized-average rule)."""
+        None: enough for the oversized-average rule). `plain`: lr times the average, the momentum neither used
+        nor gathered (an opening round's step, see peers/schedule.py)."""
         if set(pseudo_gradient) != set(self.weights):
             missing, extra = set(self.weights) - set(pseudo_gradient), set(pseudo_gradient) - set(self.weights)
             raise ValueError(f"pseudo-gradient names differ: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}")
+        if plain:
+            lr = self._optimizer.param_groups[0]["lr"]
+            for name, weight in self.weights.items():
+                weight.sub_(pseudo_gradient[name].detach().to(weight.dtype).cpu(), alpha=lr)
+            return self.weights
         mature = momentum_rounds is None or momentum_rounds >= MOMENTUM_ROUNDS_FOR_THE_RULE
         ratio = self._length_against_momentum(pseudo_gradient) if mature else 0.0
         if ratio > OVERSIZED_AVERAGE:
@@ -117,12 +124,12 @@ class DelayedOuterStep:
 
     @torch.no_grad()
     def apply_average(self, weights_now: Mapping[str, torch.Tensor], averaged: Mapping[str, torch.Tensor],
-                      momentum_rounds: int | None = None) -> Weights:
+                      momentum_rounds: int | None = None, plain: bool = False) -> Weights:
         """The outer step with the previous round's average (this peer's own pseudo-gradient when it averaged with
-        nobody; `momentum_rounds` as in `OuterOptimizer.step`); returns the weights to continue from: the new global
-        weights plus the progress made since this round began."""
+        nobody; `momentum_rounds` and `plain` as in `OuterOptimizer.step`); returns the weights to continue from:
+        the new global weights plus the progress made since this round began."""
         progress = self.local_progress(weights_now)
-        self.outer.step(averaged, momentum_rounds)
+        self.outer.step(averaged, momentum_rounds, plain)
         self.round_start = {name: w.clone() for name, w in self.outer.weights.items()}
         return {name: self.round_start[name] - progress[name] for name in progress}
 

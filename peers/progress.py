@@ -83,9 +83,11 @@ class RoundClock:
     both are cheap (no network): a background thread does the DHT reads and writes.
     """
 
-    def __init__(self, dht: DHT, run_id: str, peer_id: str, inner_steps: int, every_s: float = 1.0) -> None:
+    def __init__(self, dht: DHT, run_id: str, peer_id: str, inner_steps: int, every_s: float = 1.0,
+                 opening_rounds: int = 0, opening_inner_steps: int = 1) -> None:
         self.dht, self.record, self.peer_id = dht, progress_record(run_id), peer_id
         self.inner_steps, self.every_s = inner_steps, every_s
+        self.opening_rounds, self.opening_inner_steps = opening_rounds, opening_inner_steps
         self._mine: Progress | None = None
         self._others: list[Progress] = []  # the latest fetch, fresh records only
         self._confirmed: set[str] = set()  # peer ids met in an averaging group (or our state's donor)
@@ -115,11 +117,25 @@ class RoundClock:
             self._first_epoch = epoch
         self._mine = Progress(epoch, steps, steps_per_s, time.time())
 
+    def is_opening(self, epoch: int) -> bool:
+        """Whether round `epoch` is one of the run's opening rounds (`RunConfig.opening_rounds`): short, and
+        averaged before the next step."""
+        return epoch < self.opening_rounds
+
+    def round_steps(self, epoch: int) -> int:
+        """Steps a peer makes in round `epoch` (H, or the opening rounds' length)."""
+        return self.opening_inner_steps if self.is_opening(epoch) else self.inner_steps
+
+    def steps_before(self, epoch: int) -> int:
+        """Steps a peer makes in the rounds before round `epoch`."""
+        opening = min(epoch, self.opening_rounds)
+        return opening * self.opening_inner_steps + (epoch - opening) * self.inner_steps
+
     def round_done(self, epoch: int, steps: int) -> bool:
         """Whether this peer's round `epoch` ends now, after `steps` local steps in it."""
         if steps < 1:
             return False
-        return self.collective_steps(epoch, steps, time.time()) >= self.inner_steps * self.peers_in(epoch)
+        return self.collective_steps(epoch, steps, time.time()) >= self.round_steps(epoch) * self.peers_in(epoch)
 
     def peers_in(self, epoch: int) -> int:
         """Peers (this one included) whose steps count towards round `epoch`; in this peer's first round at least
@@ -172,17 +188,17 @@ class RoundClock:
         trusted = [p for p in counted if self._counts_fully(p)]
         if 2 * sum(1 for p in trusted if p.epoch > epoch) > len(trusted):
             return math.inf  # most peers have ended this round: we are late
-        total = float(steps)
-        cap = 2.0 * self.inner_steps  # one peer's extrapolation is never trusted beyond this
+        total, round_steps = float(steps), float(self.round_steps(epoch))
+        cap = 2.0 * round_steps  # one peer's extrapolation is never trusted beyond this
         for other in counted:
             if other.epoch > epoch:
-                made = float(self.inner_steps)
+                made = round_steps
             elif other.epoch == epoch:
                 made = min(cap, other.steps + other.steps_per_s * max(0.0, now - other.time))
             else:
                 made = 0.0
             if not self._counts_fully(other):
-                made = min(float(self.inner_steps), max(float(steps), made))
+                made = min(round_steps, max(float(steps), made))
             total += made
         return total
 
@@ -190,7 +206,7 @@ class RoundClock:
         """When `round_done` will say yes at the swarm's present pace (this peer making `steps_per_s`): 0 if it
         does now, infinite if nobody is making progress."""
         now = time.time()
-        remaining = self.inner_steps * self.peers_in(epoch) - self.collective_steps(epoch, steps, now)
+        remaining = self.round_steps(epoch) * self.peers_in(epoch) - self.collective_steps(epoch, steps, now)
         if remaining <= 0:
             return 0.0
         rate = steps_per_s + sum(p.steps_per_s for p in self._others if p.epoch == epoch and self._counts_fully(p))
@@ -198,13 +214,14 @@ class RoundClock:
 
     def schedule_step(self, origin: int, epoch: int, steps: int) -> int:
         """The swarm's place in the learning-rate schedule while this peer is `steps` steps into round `epoch`:
-        `origin` (the run's step at round 0) + H per round the swarm has ended + the mean steps its peers have
-        made in this one (extrapolated as for `round_done`, at most H). Every peer that shares the global weights
-        computes about the same number at the same moment, whatever its speed or its own step count; a peer
-        that has just downloaded the state of round R starts at origin + R x H."""
+        `origin` (the run's step at round 0) + the steps of the rounds the swarm has ended (H each, after the opening
+        ones) + the mean steps its peers have made in this one (extrapolated as for `round_done`, at most its
+        length). Every peer that shares the global weights computes about the same number at the same moment,
+        whatever its speed or its own step count; a peer that has just downloaded the state of round R starts at
+        origin + `steps_before(R)`."""
         collective = self.collective_steps(epoch, steps, time.time())
-        in_round = min(float(self.inner_steps), collective / self.peers_in(epoch))
-        return origin + epoch * self.inner_steps + int(in_round)
+        in_round = min(float(self.round_steps(epoch)), collective / self.peers_in(epoch))
+        return origin + self.steps_before(epoch) + int(in_round)
 
     def others_idle(self, epoch: int) -> bool:
         """Whether no other peer is still training towards round `epoch` (all have stopped, or there are none)."""

@@ -66,6 +66,8 @@ LATER_TRAIN_FIELDS = {"embedding_weight_decay": 0.0}
 # TrainConfig fields that are part of the model config (compared through it).
 MODEL_TRAIN_FIELDS = ("model", "window_schedule", "mlp", "dropout", "attention_dropout", "tie_embeddings")
 
+# RunConfig keys a published config may leave out (at their defaults; see `RunConfig._hashed`).
+OPTIONAL_KEYS = {"codec", "opening_rounds", "opening_inner_steps"}
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 RUN_CONFIG_FILE = "run-config.json"
 CONFIG_TTL_S = 24 * 3600.0  # refreshed by every live peer, so the run outlives its first peer
@@ -83,12 +85,17 @@ class RunConfig:
     seed: int  # initial weights: every peer builds the same ones, so even simultaneous starters agree
     train: dict  # the SHARED_TRAIN_FIELDS of TrainConfig
     codec: str = "sign"  # the averaging rounds' codec (peers/codec.py CODECS): every peer must speak the same
+    # The run's first rounds: opening_rounds rounds of opening_inner_steps steps, each average applied before the
+    # next step and without outer momentum (peers/progress.py RoundClock), where a cold start changes fastest.
+    opening_rounds: int = 0
+    opening_inner_steps: int = 10
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise UserError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        if self.inner_steps < 1:
-            raise UserError(f"inner-steps must be at least 1, got {self.inner_steps}")
+        for name, least in (("inner_steps", 1), ("opening_inner_steps", 1), ("opening_rounds", 0)):
+            if getattr(self, name) < least:  # (a TypeError for a non-number: from_wire calls it malformed)
+                raise UserError(f"{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}")
         if not self.outer_lr > 0:
             raise UserError(f"outer-lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
@@ -104,6 +111,8 @@ class RunConfig:
         outer_lr: float,
         outer_momentum: float,
         codec: str = "sign",
+        opening_rounds: int = 0,
+        opening_inner_steps: int = 10,
     ) -> "RunConfig":
         return cls(
             model=model_cfg.to_dict(),
@@ -117,6 +126,8 @@ class RunConfig:
                 if LATER_TRAIN_FIELDS.get(name, object()) != getattr(cfg, name)
             },
             codec=codec,
+            opening_rounds=opening_rounds,
+            opening_inner_steps=opening_inner_steps,
         )
 
     @property
@@ -128,11 +139,13 @@ class RunConfig:
         return hashlib.sha256(_canonical(self._hashed())).hexdigest()
 
     def _hashed(self) -> dict:
-        # A run on the sign codec hashes as it did before runs could choose a codec, so its records and saved
-        # configs (which have no "codec" key) still match their hashes.
+        # A run on the sign codec, or without opening rounds, hashes as it did before runs could choose them, so its
+        # records and saved configs (which lack those keys) still match their hashes.
         fields_ = asdict(self)
         if fields_["codec"] == "sign":
             del fields_["codec"]
+        if not fields_["opening_rounds"]:
+            del fields_["opening_rounds"], fields_["opening_inner_steps"]
         return fields_
 
     def apply_to(self, cfg: TrainConfig) -> TrainConfig:
@@ -165,6 +178,8 @@ class RunConfig:
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,
             "codec": self.codec,
+            "opening_rounds": self.opening_rounds,
+            "opening_inner_steps": self.opening_inner_steps,
         }
         for name, value in explicit.items():
             if name not in run_values:
@@ -189,7 +204,7 @@ class RunConfig:
             raise UserError("the run config published in the DHT is malformed")
         data = value["config"]
         names = {f.name for f in fields(cls)}
-        if set(data) != names and set(data) != names - {"codec"}:  # no codec: a sign run (`_hashed`)
+        if not set(data) <= names or not names - set(data) <= OPTIONAL_KEYS:  # left out at their defaults (`_hashed`)
             raise UserError(f"the run config published in the DHT has keys {sorted(data)}, expected {sorted(names)}")
         try:
             config = cls(**data)

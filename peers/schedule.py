@@ -23,9 +23,10 @@ PAIR_PATIENCE = 2
 class SwarmClock(Protocol):
     """What the schedule reads of the other peers' progress (`RoundClock` is the real one)."""
 
-    inner_steps: int
     every_s: float
     live_at_start: int
+
+    def round_steps(self, epoch: int) -> int: ...
 
     def round_done(self, epoch: int, steps: int) -> bool: ...
 
@@ -120,7 +121,7 @@ class RoundSchedule:
         alike, do not wait the extra period (with it, each such round of a 3 + 1 run took a second longer)."""
         return seconds_to_end + (self.clock.every_s if self.clock.is_first_round(epoch) else 0.0)
 
-    def group_size(self, round_s: float) -> int | None:
+    def group_size(self, round_s: float, synchronous: bool = False) -> int | None:
         """The group to expect for a round that has lasted `round_s` seconds: every live peer the round clock
         sees, so that the average starts once they are all in, not when the matchmaking window closes (on the
         H200 benchmark that window made every average a whole round late).
@@ -128,9 +129,11 @@ class RoundSchedule:
         None (wait out the window, hivemind's default) for a peer that sees nobody, and for rounds shorter than
         two of the clock's record periods: there the records lag whole rounds, peers drift apart, and the
         window is what gathers them (measured: with 5-step rounds in tests/test_swarm.py, groups formed at
-        once split the swarm into pairs and forced 5-9 state re-downloads a run, against none)."""
+        once split the swarm into pairs and forced 5-9 state re-downloads a run, against none). A `synchronous`
+        round (an opening one) expects every live peer however short it is: its peers wait for its average before
+        they train on, so none drifts a round ahead, and the window would otherwise be most of each round."""
         peers = self.clock.live_peers()
-        return peers if peers > 1 and round_s >= 2 * self.clock.every_s else None
+        return peers if peers > 1 and (synchronous or round_s >= 2 * self.clock.every_s) else None
 
     def pair_partners(self, averaged_with: Collection[str], caught: Collection[str],
                       rounds_alone: int) -> frozenset[str] | None:
@@ -173,7 +176,7 @@ class RoundSchedule:
         if not (self.clock.round_done(epoch, steps) or self.clock.others_idle(epoch)):
             return LastSteps.AVERAGE if timed_out else LastSteps.WAIT
         collective = self.clock.collective_steps(epoch, steps, now)
-        return LastSteps.AVERAGE if collective >= self.clock.inner_steps else LastSteps.KEEP_LOCAL
+        return LastSteps.AVERAGE if collective >= self.clock.round_steps(epoch) else LastSteps.KEEP_LOCAL
 
     def seconds_to_round_end(self, epoch: int, steps: int, steps_per_s: float) -> float | None:
         """When this round ends at the swarm's pace (the swarm ends it once all its peers together made H steps

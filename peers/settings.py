@@ -19,6 +19,7 @@ DEFAULT_INNER_STEPS = 200  # ~3000x less traffic than a per-step bf16 gradient a
 # rounds instead of ~10 measured 5 points closer to one-process training at 12 rounds, at H=100 and H=200, with a
 # smaller effective outer step (lr / (1 - momentum): 3.3 against 7) (benchmarks/RESULTS.md).
 DEFAULT_OUTER_LR = 1.0
+DEFAULT_OPENING_INNER_STEPS = 10
 DEFAULT_OUTER_MOMENTUM = 0.7
 # The share of its 1-bit residual a peer carries into its next round, per --error-feedback (None: no residual).
 # Full feedback cost 1-3 points of val loss from a cold start and won up to 0.9 later in a run on the H200;
@@ -44,6 +45,12 @@ class SwarmSettings:
                                     metavar="LR", gt=0)
     outer_momentum: float | None = option(None, f"outer Nesterov momentum (new run; {DEFAULT_OUTER_MOMENTUM})",
                                           metavar="M", ge=0, lt=1)
+    opening_rounds: int | None = option(
+        None, "start a new run with N short rounds of --opening-inner-steps, each averaged before the next step and "
+        "applied without outer momentum (a new run's setting; default 0: none)", metavar="N", ge=0)
+    opening_inner_steps: int | None = option(
+        None, f"local steps in each of the --opening-rounds (a new run's setting; default {DEFAULT_OPENING_INNER_STEPS})",
+        metavar="H", ge=1)
     max_steps: int | None = option(None, "stop after N local steps (for scripts)", metavar="N", ge=1)
     init_from: str | None = option(
         None, "start from a checkpoint of another run (e.g. `tscale-peer train`'s step-* folder, or its --out for the "

@@ -127,6 +127,7 @@ class _InFlight:
     pending: PendingAverage
     pseudo_gradient: dict[str, torch.Tensor]
     base: Base
+    opening: bool = False  # an opening round's: waited for, and applied without outer momentum
 
 
 class SwarmPeer:
@@ -178,7 +179,8 @@ class SwarmPeer:
         self._in_flight: _InFlight | None = None
         self._averaged_with: set[str] = set()  # in-step peers of rounds that averaged (pair partners, less the caught)
         self._rounds_alone = 0  # rounds in a row this peer has averaged with nobody
-        self.clock = clock or RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps)
+        self.clock = clock or RoundClock(metrics.dht, identity.run_id, identity.peer_id, run.inner_steps,
+                                         opening_rounds=run.opening_rounds, opening_inner_steps=run.opening_inner_steps)
         self.schedule = RoundSchedule(self.clock, self.averager.matchmaking_time)
         self.training_s = self.wall_s = 0.0  # for the busy fraction while training
         self.drain_s = 0.0  # waiting for the round in flight when leaving
@@ -305,6 +307,9 @@ class SwarmPeer:
                 self.clock.update(epoch, steps_in_round, steps_per_s)
                 if self._in_flight is None and self.schedule.round_ends(epoch, steps_in_round):
                     self._end_round(time.perf_counter() - round_start)
+                    if self._in_flight is not None and self._in_flight.opening:  # synchronous: wait for it
+                        self._settle_in_flight()
+                        self._apply_in_flight(steps_late=0)
                     steps_in_round, round_start = 0, time.perf_counter()
                 elif self._in_flight is None and not self.averager.round_scheduled:
                     self._maybe_schedule_round(epoch, steps_in_round, steps_per_s, time.perf_counter() - round_start)
@@ -404,17 +409,17 @@ class SwarmPeer:
         by now)."""
         pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot())
         tokens, self._tokens_in_round = self._tokens_in_round, 0
-        base = self._base()
+        base, opening = self._base(), self.clock.is_opening(self.round)
         try:
             pending = self.averager.start_round(
                 [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata(),
-                group_size=self.schedule.group_size(round_s), pair_partners=self._pair_partners(),
+                group_size=self.schedule.group_size(round_s, synchronous=opening), pair_partners=self._pair_partners(),
             )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)
             self._restart_round_from_global_weights()
             return
-        self._in_flight = _InFlight(self.round + 1, pending, pseudo_gradient, base)
+        self._in_flight = _InFlight(self.round + 1, pending, pseudo_gradient, base, opening)
         self.status.update(averaging_in_flight=True)
 
     def _apply_in_flight(self, steps_late: int | None = None) -> None:
@@ -425,7 +430,8 @@ class SwarmPeer:
         outcome = flight.pending.result()
         average = flight.pseudo_gradient if outcome.averaged is None else dict(zip(self.names, outcome.averaged))
         with self._state_lock:
-            weights = self.rounds.apply_average(self.trainer.snapshot(), average, momentum_rounds=self.round)
+            weights = self.rounds.apply_average(self.trainer.snapshot(), average, momentum_rounds=self.round,
+                                                plain=flight.opening)
             self.round += 1
             self._fingerprint = self.weights_fingerprint()
         self.trainer.apply_outer_update(weights)
@@ -505,7 +511,7 @@ class SwarmPeer:
         progress = self.rounds.local_progress(self.trainer.snapshot())
         with self._state_lock:
             if plan is Resync.ADOPT_AND_STEP:  # the donor had not applied this round's average yet
-                self.outer.step(average, momentum_rounds=self.round)
+                self.outer.step(average, momentum_rounds=self.round, plain=flight.opening)
                 self.round += 1
                 self._fingerprint = self.weights_fingerprint()
             self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}

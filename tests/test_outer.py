@@ -48,6 +48,17 @@ def test_the_second_round_outgrowing_the_first_is_a_nesterov_step():
     torch.testing.assert_close(outer.weights["w"], w1 - lr * (g2 + mu * (mu * g1 + g2)))
 
 
+def test_a_plain_step_takes_lr_times_the_average_and_leaves_the_momentum_to_the_rounds_after():
+    """An opening round's average is applied without momentum; the first momentum round then starts its own."""
+    w0, g1, g2 = torch.zeros(5), torch.ones(5), torch.full((5,), 0.5)
+    lr, mu = 1.5, 0.7
+    outer = OuterOptimizer({"w": w0}, lr=lr, momentum=mu)
+    w1 = outer.step({"w": g1}, momentum_rounds=0, plain=True)["w"].clone()
+    torch.testing.assert_close(w1, w0 - lr * g1)
+    outer.step({"w": g2}, momentum_rounds=1)
+    torch.testing.assert_close(outer.weights["w"], w1 - lr * (g2 + mu * g2))  # momentum of g2 alone
+
+
 def test_state_dict_lets_a_joiner_continue_identically():
     weights = {"a": torch.randn(3, 4), "b": torch.randn(7)}
     veteran = OuterOptimizer(weights)

@@ -164,11 +164,13 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
     bootstrap = bootstrap_with_hivemind_dht(spawn)
     names = ("a", "b", "c")
     # --min-peers: training starts once all three are up, so the first round can gather all of them. The top-k
-    # codec here (the other swarm tests run the default sign codec): agreement must not depend on the codec.
+    # codec here (the other swarm tests run the default sign codec): agreement must not depend on the codec. Two
+    # opening rounds first (short, each average applied before the next step): agreement must hold through them.
     peers = [
         spawn(name, *join_args(name, text_file, "--initial-peers", bootstrap, "--run-id", "agree", "--name", name,
                                "--min-peers", "3", *TINY, "--inner-steps", "5", "--matchmaking-time", "3",
-                               "--averaging-timeout", "20", "--codec", "topk"))
+                               "--averaging-timeout", "20", "--codec", "topk", "--opening-rounds", "2",
+                               "--opening-inner-steps", "3"))
         for name in names
     ]
     # Every round that all three averaged together, and that no peer reports as disturbed (a groupmate lost
@@ -202,7 +204,9 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
                 assert all(torch.equal(x, y) for x, y in zip(theta, other_theta)), (name, other, histories)
     for peer in peers:
         assert "Traceback" not in peer.output()
-        assert re.search(r"run 'agree' \(config \w+\): model \w+, 5 inner steps, codec topk", peer.output())
+        assert re.search(r"run 'agree' \(config \w+\): model \w+, 5 inner steps after 2 opening rounds of 3, "
+                         r"codec topk", peer.output())
+        assert re.search(r"round 1: averaged with 2 peer\(s\) .* applied 0 steps into round 2", peer.output())
 
 
 @pytest.mark.timeout(420)

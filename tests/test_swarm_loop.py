@@ -38,8 +38,8 @@ LR, MOMENTUM = 1.0, 0.5
 class QuietClock(RoundClock):
     """A `RoundClock` that publishes and reads nothing: the test tells it the others' progress (`observe`)."""
 
-    def __init__(self) -> None:
-        super().__init__(dht=None, run_id="loop", peer_id="me", inner_steps=H)
+    def __init__(self, **opening) -> None:
+        super().__init__(dht=None, run_id="loop", peer_id="me", inner_steps=H, **opening)
 
     def start(self) -> None:
         pass
@@ -144,11 +144,12 @@ def train_config(corpus, out) -> TrainConfig:
 
 
 def make_peer(corpus, out, rounds, *, donor=None, max_steps=None, clock=None, trainer=None, banned=None,
-              caught=()) -> SwarmPeer:
+              caught=(), opening_rounds=0, opening_inner_steps=1) -> SwarmPeer:
     cfg = train_config(corpus, out)
     trainer = trainer or Trainer(ModelConfig.from_dims("e32h2d1w32"), cfg, load_corpus(str(corpus)), torch.device("cpu"))
     run = RunConfig.from_settings(cfg, trainer.model_cfg, tokenizer_id(trainer.corpus.tokenizer, trainer.corpus.vocab_size),
-                                  inner_steps=H, outer_lr=LR, outer_momentum=MOMENTUM)
+                                  inner_steps=H, outer_lr=LR, outer_momentum=MOMENTUM, opening_rounds=opening_rounds,
+                                  opening_inner_steps=opening_inner_steps)
     return SwarmPeer(trainer, lambda template, source: ScriptedAverager(rounds, donor, banned, caught), NoMetrics(),
                      SwarmIdentity("me", "me", "loop", "cpu", relayed=False), LocalStatus(), run=run,
                      max_steps=max_steps, publish_every_s=60.0, clock=clock or QuietClock())
@@ -238,6 +239,29 @@ def test_each_round_says_how_many_steps_into_the_next_one_its_average_was_applie
         peer.run()
     assert re.search(r"round 1: averaged with 1 peer\(s\) in .* KiB, applied 3 steps into round 2, weights \w+\n",
                      caplog.text), caplog.text
+
+
+def test_opening_rounds_are_short_waited_for_and_applied_without_momentum(corpus, tmp_path, caplog):
+    """A run with two opening rounds of 2 steps: each ends after 2 steps, its average (done only at the third
+    poll) is applied before the next step, without outer momentum; the rounds after them are H steps long and
+    asynchronous, with momentum, and the learning-rate schedule counts the opening rounds' steps."""
+    peer = make_peer(corpus, tmp_path / "opening", lambda k, g, m: averaged_with_group([0.5 * t for t in g], [m, m],
+                                                                                      polls=2),
+                     max_steps=2 + 2 + H + 1, clock=QuietClock(opening_rounds=2, opening_inner_steps=2),
+                     opening_rounds=2, opening_inner_steps=2)
+    initial = {n: w.clone() for n, w in peer.outer.weights.items()}
+    with caplog.at_level(logging.INFO, logger="tscale_p2p"):
+        peer.run()
+    assert peer.round == 3 and peer.trainer.step == 2 + 2 + H + 1
+    for number in (1, 2):
+        assert re.search(rf"round {number}: averaged with 1 peer\(s\) in .* applied 0 steps into round {number + 1}",
+                         caplog.text), caplog.text
+    averages = [dict(zip(peer.names, [0.5 * t for t in gradient])) for gradient, _ in peer.averager.started]
+    expected = OuterOptimizer(initial, LR, MOMENTUM)
+    for number, average in enumerate(averages):
+        expected.step(average, plain=number < 2)
+    assert_same(peer.outer.weights, expected.weights)
+    assert peer.clock.schedule_step(0, 3, 0) == 2 + 2 + H  # round 3 begins at step 8 of the schedule
 
 
 def test_the_runs_last_steps_are_averaged_when_the_swarm_made_h_steps_in_the_round(corpus, tmp_path):
