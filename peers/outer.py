@@ -63,7 +63,7 @@ class OuterOptimizer:
         """Apply one outer step with the averaged pseudo-gradient; return the new global weights (not copies).
         `momentum_rounds`: the rounds the momentum holds (the swarm's round number, the same on every peer in step;
         None: enough for the oversized-average rule). `plain`: lr times the average, the momentum neither used
-        nor gathered (an opening round's step, see peers/schedule.py)."""
+        nor gathered (an opening round's step, `RunConfig.opening_rounds`)."""
         if set(pseudo_gradient) != set(self.weights):
             missing, extra = set(self.weights) - set(pseudo_gradient), set(pseudo_gradient) - set(self.weights)
             raise ValueError(f"pseudo-gradient names differ: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}")

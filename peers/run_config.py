@@ -43,6 +43,7 @@ from tscale_p2p.peers.records import (
     store_signed,
     verify,
 )
+from tscale_p2p.peers.settings import DEFAULT_OPENING_INNER_STEPS
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class RunConfig:
     # The run's first rounds: opening_rounds rounds of opening_inner_steps steps, each average applied before the
     # next step and without outer momentum (peers/progress.py RoundClock), where a cold start changes fastest.
     opening_rounds: int = 0
-    opening_inner_steps: int = 10
+    opening_inner_steps: int = DEFAULT_OPENING_INNER_STEPS
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -112,7 +113,7 @@ class RunConfig:
         outer_momentum: float,
         codec: str = "sign",
         opening_rounds: int = 0,
-        opening_inner_steps: int = 10,
+        opening_inner_steps: int = DEFAULT_OPENING_INNER_STEPS,
     ) -> "RunConfig":
         return cls(
             model=model_cfg.to_dict(),
