@@ -127,7 +127,6 @@ class _InFlight:
     pending: PendingAverage
     pseudo_gradient: dict[str, torch.Tensor]
     base: Base
-    opening: bool = False  # an opening round's: waited for, and applied without outer momentum
 
 
 class SwarmPeer:
@@ -307,9 +306,8 @@ class SwarmPeer:
                 self.clock.update(epoch, steps_in_round, steps_per_s)
                 if self._in_flight is None and self.schedule.round_ends(epoch, steps_in_round):
                     self._end_round(time.perf_counter() - round_start)
-                    if self._in_flight is not None and self._in_flight.opening:  # synchronous: wait for it
-                        self._settle_in_flight()
-                        self._apply_in_flight(steps_late=0)
+                    if self._in_flight is not None and self._is_opening(self._in_flight):
+                        self._drain(steps_late=0)  # an opening round is synchronous: wait for it
                     steps_in_round, round_start = 0, time.perf_counter()
                 elif self._in_flight is None and not self.averager.round_scheduled:
                     self._maybe_schedule_round(epoch, steps_in_round, steps_per_s, time.perf_counter() - round_start)
@@ -409,17 +407,18 @@ class SwarmPeer:
         by now)."""
         pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot())
         tokens, self._tokens_in_round = self._tokens_in_round, 0
-        base, opening = self._base(), self.clock.is_opening(self.round)
+        base = self._base()
         try:
             pending = self.averager.start_round(
                 [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata(),
-                group_size=self.schedule.group_size(round_s, synchronous=opening), pair_partners=self._pair_partners(),
+                group_size=self.schedule.group_size(round_s, synchronous=self.clock.is_opening(self.round)),
+                pair_partners=self._pair_partners(),
             )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)
             self._restart_round_from_global_weights()
             return
-        self._in_flight = _InFlight(self.round + 1, pending, pseudo_gradient, base, opening)
+        self._in_flight = _InFlight(self.round + 1, pending, pseudo_gradient, base)
         self.status.update(averaging_in_flight=True)
 
     def _apply_in_flight(self, steps_late: int | None = None) -> None:
@@ -431,7 +430,7 @@ class SwarmPeer:
         average = flight.pseudo_gradient if outcome.averaged is None else dict(zip(self.names, outcome.averaged))
         with self._state_lock:
             weights = self.rounds.apply_average(self.trainer.snapshot(), average, momentum_rounds=self.round,
-                                                plain=flight.opening)
+                                                plain=self._is_opening(flight))
             self.round += 1
             self._fingerprint = self.weights_fingerprint()
         self.trainer.apply_outer_update(weights)
@@ -511,7 +510,7 @@ class SwarmPeer:
         progress = self.rounds.local_progress(self.trainer.snapshot())
         with self._state_lock:
             if plan is Resync.ADOPT_AND_STEP:  # the donor had not applied this round's average yet
-                self.outer.step(average, momentum_rounds=self.round, plain=flight.opening)
+                self.outer.step(average, momentum_rounds=self.round, plain=self._is_opening(flight))
                 self.round += 1
                 self._fingerprint = self.weights_fingerprint()
             self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
@@ -526,11 +525,16 @@ class SwarmPeer:
         rounds print the same one."""
         return fingerprint(list(self.outer.weights.values()))
 
-    def _drain(self) -> None:
-        """Wait for the round in flight (see `_settle_in_flight`) and apply its average."""
+    def _drain(self, steps_late: int | None = None) -> None:
+        """Wait for the round in flight (see `_settle_in_flight`) and apply its average (`steps_late` as in
+        `_apply_in_flight`)."""
         if self._in_flight is not None:
             self._settle_in_flight()
-            self._apply_in_flight()
+            self._apply_in_flight(steps_late)
+
+    def _is_opening(self, flight: _InFlight) -> bool:
+        """Whether `flight` is one of the run's opening rounds: waited for, and applied without outer momentum."""
+        return self.clock.is_opening(flight.number - 1)
 
     def _settle_in_flight(self) -> None:
         """Leaving: wait for the round in flight (see `_give_up_round_if_alone`). Others still finishing their last
