@@ -190,7 +190,7 @@ VARIANTS = {
 
 # --apply-after-trips: a row's numeric settings -> the argument they override
 TRIP_FIELDS = {"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry",
-               "up_error": "up_error", "down_error": "down_error"}
+               "up_error": "up_error", "down_error": "down_error", "opening_lr": "opening_lr"}
 # --apply-after-trips: key -> (row label, TRIPS key)
 APPLY_AFTER_TRIPS = {
     "exact": ("exact mean", "exact"),
@@ -243,6 +243,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
             deltas = coded
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
         plain = args.first_rounds_plain and round_number < len(args.first_rounds)
+        if plain and getattr(args, "opening_lr", None) is not None:  # a plain step is lr x the average
+            previous = {n: m * (args.opening_lr / args.outer_lr) for n, m in previous.items()}
         if down != "exact":
             reducer_carry = 1.0 if down == "ef" else getattr(args, "reducer_carry", None)
             if reducer_carry is not None:  # one residual for the whole model: as if each span kept its reducer
@@ -340,8 +342,9 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 
 def trip_spec(spec: str) -> tuple[str, str, dict]:
     """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]
-    [;up_error=X][;down_error=X]` (rcarry: a reducer residual on the return trip, damped by X each round;
-    up_error, down_error: the trip's code error scaled by X, see `carried`):
+    [;up_error=X][;down_error=X][;opening_lr=X]` (rcarry: a reducer residual on the return trip, damped by X each
+    round; up_error, down_error: the trip's code error scaled by X, see `carried`; opening_lr: the plain step's lr
+    in --first-rounds-plain rounds, the outer lr's after them):
     (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
