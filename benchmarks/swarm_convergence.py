@@ -51,7 +51,8 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.codec import CODECS
 from tscale_p2p.peers.join import initial_weights
-from tscale_p2p.peers.settings import DEFAULT_CODEC, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, ERROR_FEEDBACK_CARRY
+from tscale_p2p.peers.settings import (DEFAULT_CODEC, DEFAULT_OPENING_OUTER_LR, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,
+                                       ERROR_FEEDBACK_CARRY)
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
 from tscale_p2p.trainer import Trainer
@@ -84,7 +85,8 @@ def opening_flags(args) -> list[str]:
         return []
     if len(set(args.first_rounds)) > 1:
         raise SystemExit(f"the swarm's opening rounds are of one length; --first-rounds has {sorted(set(args.first_rounds))}")
-    return ["--opening-rounds", str(len(args.first_rounds)), "--opening-inner-steps", str(args.first_rounds[0])]
+    return ["--opening-rounds", str(len(args.first_rounds)), "--opening-inner-steps", str(args.first_rounds[0]),
+            "--opening-outer-lr", str(args.opening_outer_lr)]
 
 
 def trainer_for(args, batch_size: int, seed: int) -> Trainer:
@@ -190,7 +192,7 @@ VARIANTS = {
 
 # --apply-after-trips: a row's numeric settings -> the argument they override
 TRIP_FIELDS = {"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry",
-               "up_error": "up_error", "down_error": "down_error", "opening_lr": "opening_lr"}
+               "up_error": "up_error", "down_error": "down_error", "opening_lr": "opening_outer_lr"}
 # --apply-after-trips: key -> (row label, TRIPS key)
 APPLY_AFTER_TRIPS = {
     "exact": ("exact mean", "exact"),
@@ -214,7 +216,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                                  "down_error": 1.0, **(overrides or {})})
     codec = CODECS[args.codec](**getattr(args, "codec_options", {}))
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
-    outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum) for t in peers]  # identical copies
+    outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum, plain_lr=args.opening_outer_lr)
+              for t in peers]  # identical copies
     rounds = [DelayedOuterStep(outer) for outer in outers]
     residuals = [{n: torch.zeros_like(w) for n, w in outers[0].weights.items()} for _ in range(len(peers) + 1)]
     previous, plain = None, False  # plain: the last round was an opening round (--first-rounds-plain)
@@ -243,8 +246,6 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
             deltas = coded
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
         plain = args.first_rounds_plain and round_number < len(args.first_rounds)
-        if plain and getattr(args, "opening_lr", None) is not None:  # a plain step is lr x the average
-            previous = {n: m * (args.opening_lr / args.outer_lr) for n, m in previous.items()}
         if down != "exact":
             reducer_carry = 1.0 if down == "ef" else getattr(args, "reducer_carry", None)
             if reducer_carry is not None:  # one residual for the whole model: as if each span kept its reducer
@@ -344,7 +345,7 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
     """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]
     [;up_error=X][;down_error=X][;opening_lr=X]` (rcarry: a reducer residual on the return trip, damped by X each
     round; up_error, down_error: the trip's code error scaled by X, see `carried`; opening_lr: the plain step's lr
-    in --first-rounds-plain rounds, the outer lr's after them):
+    in --first-rounds-plain rounds, as --opening-outer-lr):
     (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
@@ -421,6 +422,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-rounds-plain", action="store_true",
                         help="each --first-rounds average applied before the next step, without outer momentum: "
                         "synchronous plain averaging while a cold start changes fastest")
+    parser.add_argument("--opening-outer-lr", type=float, default=DEFAULT_OPENING_OUTER_LR,
+                        help="the plain step's lr in --first-rounds-plain rounds (default: join's)")
     parser.add_argument("--codec", default=DEFAULT_CODEC, choices=sorted(CODECS),
                         help="the codec of the compressed trips, in process and the swarm's (join --codec)")
 

@@ -56,6 +56,7 @@ from tscale_p2p.peers.settings import (
     DEFAULT_ERROR_FEEDBACK,
     DEFAULT_INNER_STEPS,
     DEFAULT_OPENING_INNER_STEPS,
+    DEFAULT_OPENING_OUTER_LR,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     ERROR_FEEDBACK_CARRY,
@@ -319,6 +320,7 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
             codec=swarm.codec or DEFAULT_CODEC,
             opening_rounds=swarm.opening_rounds or 0,
             opening_inner_steps=swarm.opening_inner_steps or DEFAULT_OPENING_INNER_STEPS,
+            opening_outer_lr=swarm.opening_outer_lr or DEFAULT_OPENING_OUTER_LR,
         )
         log.info("started run %r (config %s): model %s, %s, codec %s", options.run_id, run.hash[:12],
                  run.model_config.dims, rounds_text(run), run.codec)
@@ -375,8 +377,8 @@ def wait_for_peers(peer: SwarmPeer, count: int, should_stop) -> int:
 
 def rounds_text(run: RunConfig) -> str:
     """The run's rounds as its log line gives them."""
-    opening = (f" after {run.opening_rounds} opening rounds of {run.opening_inner_steps}"
-               if run.opening_rounds else "")
+    opening = (f" after {run.opening_rounds} opening rounds of {run.opening_inner_steps} at plain lr "
+               f"{run.opening_outer_lr:g}" if run.opening_rounds else "")
     return f"{run.inner_steps} inner steps{opening}"
 
 

@@ -50,8 +50,11 @@ class OuterOptimizer:
     Every peer of a group holds the same average, momentum and round, so all take the same step.
     """
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], lr: float = 0.7, momentum: float = 0.9):
+    def __init__(self, weights: Mapping[str, torch.Tensor], lr: float = 0.7, momentum: float = 0.9,
+                 plain_lr: float | None = None):
+        """`plain_lr`: the lr of a plain step (`step(plain=True)`; None: `lr`)."""
         self.weights: Weights = {name: w.detach().float().cpu().clone() for name, w in weights.items()}
+        self.plain_lr = lr if plain_lr is None else plain_lr
         # (momentum 0 is plain SGD; torch refuses nesterov=True without momentum)
         self._optimizer = torch.optim.SGD(
             list(self.weights.values()), lr=lr, momentum=momentum, nesterov=momentum > 0
@@ -62,15 +65,14 @@ class OuterOptimizer:
              plain: bool = False) -> Weights:
         """Apply one outer step with the averaged pseudo-gradient; return the new global weights (not copies).
         `momentum_rounds`: the rounds the momentum holds (the swarm's round number, the same on every peer in step;
-        None: enough for the oversized-average rule). `plain`: lr times the average, the momentum neither used
-        nor gathered (an opening round's step, `RunConfig.opening_rounds`)."""
+        None: enough for the oversized-average rule). `plain`: `plain_lr` times the average, the momentum neither
+        used nor gathered (an opening round's step, `RunConfig.opening_rounds`)."""
         if set(pseudo_gradient) != set(self.weights):
             missing, extra = set(self.weights) - set(pseudo_gradient), set(pseudo_gradient) - set(self.weights)
             raise ValueError(f"pseudo-gradient names differ: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}")
         if plain:
-            lr = self._optimizer.param_groups[0]["lr"]
             for name, weight in self.weights.items():
-                weight.sub_(pseudo_gradient[name].detach().to(weight.dtype).cpu(), alpha=lr)
+                weight.sub_(pseudo_gradient[name].detach().to(weight.dtype).cpu(), alpha=self.plain_lr)
             return self.weights
         mature = momentum_rounds is None or momentum_rounds >= MOMENTUM_ROUNDS_FOR_THE_RULE
         ratio = self._length_against_momentum(pseudo_gradient) if mature else 0.0

@@ -43,7 +43,7 @@ from tscale_p2p.peers.records import (
     store_signed,
     verify,
 )
-from tscale_p2p.peers.settings import DEFAULT_OPENING_INNER_STEPS
+from tscale_p2p.peers.settings import DEFAULT_OPENING_INNER_STEPS, DEFAULT_OPENING_OUTER_LR
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ LATER_TRAIN_FIELDS = {"embedding_weight_decay": 0.0}
 MODEL_TRAIN_FIELDS = ("model", "window_schedule", "mlp", "dropout", "attention_dropout", "tie_embeddings")
 
 # RunConfig keys a published config may leave out (at their defaults; see `RunConfig._hashed`).
-OPTIONAL_KEYS = {"codec", "opening_rounds", "opening_inner_steps"}
+OPTIONAL_KEYS = {"codec", "opening_rounds", "opening_inner_steps", "opening_outer_lr"}
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 RUN_CONFIG_FILE = "run-config.json"
 CONFIG_TTL_S = 24 * 3600.0  # refreshed by every live peer, so the run outlives its first peer
@@ -87,9 +87,11 @@ class RunConfig:
     train: dict  # the SHARED_TRAIN_FIELDS of TrainConfig
     codec: str = "sign"  # the averaging rounds' codec (peers/codec.py CODECS): every peer must speak the same
     # The run's first rounds: opening_rounds rounds of opening_inner_steps steps, each average applied before the
-    # next step and without outer momentum (peers/progress.py RoundClock), where a cold start changes fastest.
+    # next step and without outer momentum (peers/progress.py RoundClock), where a cold start changes fastest, as
+    # weights -= opening_outer_lr x the average.
     opening_rounds: int = 0
     opening_inner_steps: int = DEFAULT_OPENING_INNER_STEPS
+    opening_outer_lr: float = DEFAULT_OPENING_OUTER_LR
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -97,8 +99,9 @@ class RunConfig:
         for name, least in (("inner_steps", 1), ("opening_inner_steps", 1), ("opening_rounds", 0)):
             if getattr(self, name) < least:  # (a TypeError for a non-number: from_wire calls it malformed)
                 raise UserError(f"{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}")
-        if not self.outer_lr > 0:
-            raise UserError(f"outer-lr must be positive, got {self.outer_lr}")
+        for name in ("outer_lr", "opening_outer_lr"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not 0 <= self.outer_momentum < 1:
             raise UserError(f"outer-momentum must be in [0, 1), got {self.outer_momentum}")
 
@@ -114,6 +117,7 @@ class RunConfig:
         codec: str = "sign",
         opening_rounds: int = 0,
         opening_inner_steps: int = DEFAULT_OPENING_INNER_STEPS,
+        opening_outer_lr: float = DEFAULT_OPENING_OUTER_LR,
     ) -> "RunConfig":
         return cls(
             model=model_cfg.to_dict(),
@@ -129,6 +133,7 @@ class RunConfig:
             codec=codec,
             opening_rounds=opening_rounds,
             opening_inner_steps=opening_inner_steps,
+            opening_outer_lr=opening_outer_lr,
         )
 
     @property
@@ -146,7 +151,7 @@ class RunConfig:
         if fields_["codec"] == "sign":
             del fields_["codec"]
         if not fields_["opening_rounds"]:
-            del fields_["opening_rounds"], fields_["opening_inner_steps"]
+            del fields_["opening_rounds"], fields_["opening_inner_steps"], fields_["opening_outer_lr"]
         return fields_
 
     def apply_to(self, cfg: TrainConfig) -> TrainConfig:
@@ -181,6 +186,7 @@ class RunConfig:
             "codec": self.codec,
             "opening_rounds": self.opening_rounds,
             "opening_inner_steps": self.opening_inner_steps,
+            "opening_outer_lr": self.opening_outer_lr,
         }
         for name, value in explicit.items():
             if name not in run_values:

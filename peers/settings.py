@@ -20,6 +20,10 @@ DEFAULT_INNER_STEPS = 200  # ~3000x less traffic than a per-step bf16 gradient a
 # smaller effective outer step (lr / (1 - momentum): 3.3 against 7) (benchmarks/RESULTS.md).
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OPENING_INNER_STEPS = 10
+# An opening round's plain step (lr x the average): a ~1-bit code's decoded average is shorter than the exact one, so
+# a step of 1.0 undershoots; 1.5 read 1.3-1.6 points closer to one process from a cold start than 1.0 (five seeds),
+# 2.0 no closer (benchmarks/RESULTS.md, "Opening rounds").
+DEFAULT_OPENING_OUTER_LR = 1.5
 DEFAULT_OUTER_MOMENTUM = 0.7
 # The share of its 1-bit residual a peer carries into its next round, per --error-feedback (None: no residual).
 # Full feedback cost 1-3 points of val loss from a cold start and won up to 0.9 later in a run on the H200;
@@ -51,6 +55,9 @@ class SwarmSettings:
     opening_inner_steps: int | None = option(
         None, f"local steps in each of the --opening-rounds (a new run's setting; default {DEFAULT_OPENING_INNER_STEPS})",
         metavar="H", ge=1)
+    opening_outer_lr: float | None = option(
+        None, f"the plain step's lr in the --opening-rounds: LR x the average (a new run's setting; default "
+        f"{DEFAULT_OPENING_OUTER_LR})", metavar="LR", gt=0)
     max_steps: int | None = option(None, "stop after N local steps (for scripts)", metavar="N", ge=1)
     init_from: str | None = option(
         None, "start from a checkpoint of another run (e.g. `tscale-peer train`'s step-* folder, or its --out for the "

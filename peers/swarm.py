@@ -156,7 +156,8 @@ class SwarmPeer:
         self._tokenizer_wire = to_wire(tokenizer) if isinstance(tokenizer, BPETokenizer) else None
         self.names = [name for name, _ in trainer.model.named_parameters()]
         weights = trainer.snapshot()
-        self.outer = OuterOptimizer({n: weights[n] for n in self.names}, run.outer_lr, run.outer_momentum)
+        self.outer = OuterOptimizer({n: weights[n] for n in self.names}, run.outer_lr, run.outer_momentum,
+                                    plain_lr=run.opening_outer_lr)
         self.rounds = DelayedOuterStep(self.outer)
         self.round = 0  # outer steps applied
         # The run's step at round 0 (a run started --init-from a trained checkpoint does not start at 0): with the

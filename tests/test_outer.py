@@ -48,13 +48,15 @@ def test_the_second_round_outgrowing_the_first_is_a_nesterov_step():
     torch.testing.assert_close(outer.weights["w"], w1 - lr * (g2 + mu * (mu * g1 + g2)))
 
 
-def test_a_plain_step_takes_lr_times_the_average_and_leaves_the_momentum_to_the_rounds_after():
-    """An opening round's average is applied without momentum; the first momentum round then starts its own."""
+def test_a_plain_step_takes_its_lr_times_the_average_and_leaves_the_momentum_to_the_rounds_after():
+    """An opening round's average is applied at the plain lr without momentum; the first momentum round then
+    starts its own at the outer lr."""
     w0, g1, g2 = torch.zeros(5), torch.ones(5), torch.full((5,), 0.5)
-    lr, mu = 1.5, 0.7
-    outer = OuterOptimizer({"w": w0}, lr=lr, momentum=mu)
+    lr, mu, plain_lr = 1.0, 0.7, 1.5
+    assert OuterOptimizer({"w": w0}, lr=lr).plain_lr == lr  # by default the outer lr
+    outer = OuterOptimizer({"w": w0}, lr=lr, momentum=mu, plain_lr=plain_lr)
     w1 = outer.step({"w": g1}, momentum_rounds=0, plain=True)["w"].clone()
-    torch.testing.assert_close(w1, w0 - lr * g1)
+    torch.testing.assert_close(w1, w0 - plain_lr * g1)
     outer.step({"w": g2}, momentum_rounds=1)
     torch.testing.assert_close(outer.weights["w"], w1 - lr * (g2 + mu * g2))  # momentum of g2 alone
 

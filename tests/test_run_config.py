@@ -110,9 +110,13 @@ def test_opening_rounds_are_a_run_setting_and_runs_without_them_keep_their_hash(
     plain = founder_config()
     opened = replace(plain, opening_rounds=30, opening_inner_steps=5)
     assert opened.hash != plain.hash and replace(opened, opening_inner_steps=6).hash != opened.hash
+    assert replace(opened, opening_outer_lr=1.0).hash != opened.hash
+    assert replace(plain, opening_outer_lr=1.0).hash == plain.hash  # no opening rounds: their lr plays no part
     assert "opening_rounds" not in plain.to_wire()["config"]  # as a record published before runs had them
     assert RunConfig.from_wire(opened.to_wire()) == opened
     with pytest.raises(UserError, match="--opening-rounds 0 contradicts run 'r', which uses opening-rounds 30"):
         opened.check_flags("r", {"opening_rounds": 0})
     with pytest.raises(UserError, match="opening-rounds must be at least 0, got -1"):
         replace(plain, opening_rounds=-1)
+    with pytest.raises(UserError, match="opening-outer-lr must be positive, got 0"):
+        replace(plain, opening_outer_lr=0)

@@ -204,7 +204,8 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
                 assert all(torch.equal(x, y) for x, y in zip(theta, other_theta)), (name, other, histories)
     for peer in peers:
         assert "Traceback" not in peer.output()
-        assert re.search(r"run 'agree' \(config \w+\): model \w+, 5 inner steps after 2 opening rounds of 3, "
+        assert re.search(r"run 'agree' \(config \w+\): model \w+, 5 inner steps after 2 opening rounds of 3 at "
+                         r"plain lr 1.5, "
                          r"codec topk", peer.output())
         assert re.search(r"round 1: averaged with 2 peer\(s\) .* applied 0 steps into round 2", peer.output())
 

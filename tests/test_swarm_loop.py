@@ -144,12 +144,12 @@ def train_config(corpus, out) -> TrainConfig:
 
 
 def make_peer(corpus, out, rounds, *, donor=None, max_steps=None, clock=None, trainer=None, banned=None,
-              caught=(), opening_rounds=0, opening_inner_steps=1) -> SwarmPeer:
+              caught=(), opening_rounds=0, opening_inner_steps=1, opening_outer_lr=LR) -> SwarmPeer:
     cfg = train_config(corpus, out)
     trainer = trainer or Trainer(ModelConfig.from_dims("e32h2d1w32"), cfg, load_corpus(str(corpus)), torch.device("cpu"))
     run = RunConfig.from_settings(cfg, trainer.model_cfg, tokenizer_id(trainer.corpus.tokenizer, trainer.corpus.vocab_size),
                                   inner_steps=H, outer_lr=LR, outer_momentum=MOMENTUM, opening_rounds=opening_rounds,
-                                  opening_inner_steps=opening_inner_steps)
+                                  opening_inner_steps=opening_inner_steps, opening_outer_lr=opening_outer_lr)
     return SwarmPeer(trainer, lambda template, source: ScriptedAverager(rounds, donor, banned, caught), NoMetrics(),
                      SwarmIdentity("me", "me", "loop", "cpu", relayed=False), LocalStatus(), run=run,
                      max_steps=max_steps, publish_every_s=60.0, clock=clock or QuietClock())
@@ -243,12 +243,13 @@ def test_each_round_says_how_many_steps_into_the_next_one_its_average_was_applie
 
 def test_opening_rounds_are_short_waited_for_and_applied_without_momentum(corpus, tmp_path, caplog):
     """A run with two opening rounds of 2 steps: each ends after 2 steps, its average (done only at the third
-    poll) is applied before the next step, without outer momentum; the rounds after them are H steps long and
-    asynchronous, with momentum, and the learning-rate schedule counts the opening rounds' steps."""
+    poll) is applied before the next step, at the run's opening lr and without outer momentum; the rounds after
+    them are H steps long and asynchronous, at the outer lr with momentum, and the learning-rate schedule counts the
+    opening rounds' steps."""
     peer = make_peer(corpus, tmp_path / "opening", lambda k, g, m: averaged_with_group([0.5 * t for t in g], [m, m],
                                                                                       polls=2),
                      max_steps=2 + 2 + H + 1, clock=QuietClock(opening_rounds=2, opening_inner_steps=2),
-                     opening_rounds=2, opening_inner_steps=2)
+                     opening_rounds=2, opening_inner_steps=2, opening_outer_lr=1.5 * LR)
     initial = {n: w.clone() for n, w in peer.outer.weights.items()}
     with caplog.at_level(logging.INFO, logger="tscale_p2p"):
         peer.run()
@@ -257,7 +258,7 @@ def test_opening_rounds_are_short_waited_for_and_applied_without_momentum(corpus
         assert re.search(rf"round {number}: averaged with 1 peer\(s\) in .* applied 0 steps into round {number + 1}",
                          caplog.text), caplog.text
     averages = [dict(zip(peer.names, [0.5 * t for t in gradient])) for gradient, _ in peer.averager.started]
-    expected = OuterOptimizer(initial, LR, MOMENTUM)
+    expected = OuterOptimizer(initial, LR, MOMENTUM, plain_lr=1.5 * LR)
     for number, average in enumerate(averages):
         expected.step(average, plain=number < 2)
     assert_same(peer.outer.weights, expected.weights)
