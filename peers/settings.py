@@ -21,7 +21,7 @@ DEFAULT_INNER_STEPS = 200  # ~3000x less traffic than a per-step bf16 gradient a
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OPENING_INNER_STEPS = 10
 # An opening round's plain step (lr x the average): a ~1-bit code's decoded average is shorter than the exact one, so
-# a step of 1.0 undershoots; 1.5 read 1.3-1.6 points closer to one process from a cold start than 1.0 (five seeds),
+# a step of 1.0 undershoots; 1.5 read 0.7-1.3 points closer to one process from a cold start than 1.0 (two corpora),
 # 2.0 no closer (benchmarks/RESULTS.md, "Opening rounds").
 DEFAULT_OPENING_OUTER_LR = 1.5
 DEFAULT_OUTER_MOMENTUM = 0.7
