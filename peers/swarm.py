@@ -428,6 +428,9 @@ class SwarmPeer:
         leaving)."""
         flight, self._in_flight = self._in_flight, None
         outcome = flight.pending.result()
+        if outcome.averaged is None and steps_late is None and self._averaged_with and self._rounds_alone == 0:
+            self._keep_last_round_local(flight, outcome)
+            return
         average = flight.pseudo_gradient if outcome.averaged is None else dict(zip(self.names, outcome.averaged))
         with self._state_lock:
             weights = self.rounds.apply_average(self.trainer.snapshot(), average, momentum_rounds=self.round,
@@ -450,6 +453,17 @@ class SwarmPeer:
         consensus, declarers = self._group_consensus(outcome) if outcome.averaged is not None else (None, set())
         if consensus is not None and consensus != flight.base:
             self._resync(flight, consensus, declarers, average)
+
+    def _keep_last_round_local(self, flight: _InFlight, outcome: RoundOutcome) -> None:
+        """Leaving with a round nobody averaged, the round before averaged with a group: no outer step on our
+        update alone, which would leave this peer on global weights no other peer holds (a lone step of one peer's
+        noisy update, momentum and all, with nothing after it to average it out: 0.4-6% worse val loss than its
+        group's in the runs that ended so, benchmarks/RESULTS.md). The global weights stay the group's; the round's
+        steps stay local, as the run's last steps do when the swarm made fewer than H (`LastSteps.KEEP_LOCAL`)."""
+        self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
+        self.report.round(flight.number, outcome, self._fingerprint)
+        log.info("round %d's steps stay local (nobody averaged them as this peer left): global weights of round %d, "
+                 "weights %s", flight.number, self.round, self._fingerprint)
 
     def _pair_partners(self) -> frozenset[str] | None:
         """Whom this round averages with in a group of two (`RoundSchedule.pair_partners`): not a peer that a

@@ -95,7 +95,8 @@ class SwarmReport:
         )
         self.status.update(round=number, averaging_in_flight=False)
         if outcome.averaged is None:
-            log.info("round %d: averaged with nobody (%s); continuing alone", number, outcome.error or "no peers")
+            log.info("round %d: averaged with nobody (%s)%s", number, outcome.error or "no peers",
+                     "; continuing alone" if steps_late is not None else "")
             return
         # A groupmate lost mid-round leaves a span of our average zero (a reducer) or without its part (a sender):
         # say so, since that round then carried less than the group's whole update.

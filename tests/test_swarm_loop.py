@@ -230,6 +230,34 @@ def test_leaving_waits_for_the_round_in_flight_and_applies_the_groups_average(co
     assert any(not torch.equal(local[n], peer.outer.weights[n]) for n in peer.names)
 
 
+def test_leaving_with_a_round_nobody_averaged_after_a_group_keeps_the_groups_global_weights(corpus, tmp_path, caplog):
+    """Round 1 averaged with another peer, which has stopped; the run ends with round 2, which finds nobody. No
+    outer step on this peer's update alone: its global weights stay the group's of round 1 (which the other peer
+    holds), and round 2's steps stay local, the next round counting from the global weights."""
+    clock = QuietClock()
+    clock.observe([Progress(epoch=0, steps=H, steps_per_s=0.0, time=time.time(), peer_id="other")])
+    first_average = []
+
+    def rounds(number, gradient, metadata):
+        if number > 1:
+            return ScriptedRound()  # nobody: given up once it has looked for a group long enough
+        first_average.extend(0.5 * t for t in gradient)
+        return averaged_with_group(first_average, [metadata, metadata])
+
+    peer = make_peer(corpus, tmp_path / "left", rounds, max_steps=2 * H, clock=clock)
+    initial = {n: w.clone() for n, w in peer.outer.weights.items()}
+    with caplog.at_level(logging.INFO, logger="tscale_p2p"):
+        peer.run()
+    assert len(peer.averager.started) == 2 and peer.round == 1
+    assert_same(peer.outer.weights, replay(initial, [dict(zip(peer.names, first_average))]).weights)
+    last_round = dict(zip(peer.names, peer.averager.started[1][0]))
+    assert_same(peer.trainer.snapshot(), {n: w - last_round[n] for n, w in peer.outer.weights.items()})
+    assert_same(peer.rounds.round_start, peer.outer.weights)
+    assert f"round 2's steps stay local (nobody averaged them as this peer left): global weights of round 1, " \
+           f"weights {peer.weights_fingerprint()}" in caplog.text
+    assert "continuing alone" not in caplog.text
+
+
 def test_each_round_says_how_many_steps_into_the_next_one_its_average_was_applied(corpus, tmp_path, caplog):
     """The steps a peer trains on the previous global weights while its round averages are what a slow round
     costs: the round's line says how many. Here each average is done 3 steps into the next round."""
