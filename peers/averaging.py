@@ -142,6 +142,11 @@ FAR_AND_AGAINST_THE_GROUP = "a part far from the group's, pointing against it"
 # the longest of them, but one peer's update can be several times shorter than the others' at equal tokens (seen:
 # 7.5x, on a tiny model a few steps into a round). A reducer sending -50x the average fails.
 REPLY_NORM_RATIO = 10.0
+# Our parts judge another reducer's average as over-long (a strike) only while our own span shows our update as long
+# as the group's: its robust aggregate at most this many times our part there. Honest updates of one round agree in
+# length within ~1.5x; a peer a few steps into a cold round's warm-up, at the group's tokens, was 13x short (seen:
+# its one strike against its only honest partner of a 2 + 1 swarm ended their averaging for the run).
+SHORT_UPDATE_RATIO = 3.0
 
 # A reducer's average of a span is refused as pointing away from our part when their cosine is below minus this
 # many standard deviations of the cosine of two unrelated vectors of the span's length (1/sqrt(n)). Not below
@@ -184,6 +189,11 @@ _SENT, _RECEIVED, _VALUES_SENT, _VALUES_RECEIVED = 0, 1, 2, 3  # the averager's 
 
 class InvalidContributionError(ValueError):
     """A tensor part from a peer that must not enter the average."""
+
+
+class OverlongAverage(InvalidContributionError):
+    """A reducer's average refused as far longer than our part of its span, where our tokens are evidence: a strike,
+    unless our own span shows our update far shorter than the group's (`SHORT_UPDATE_RATIO`)."""
 
 
 class ShortPartRefusal(InvalidContributionError):
@@ -1402,6 +1412,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             self.banned_senders.add(peer_id)
             self.tensor_part_reducer.on_sender_failed(self.sender_peer_ids.index(peer_id))
         self._invalid: dict[PeerID, str] = {}  # groupmates whose parts or averages were refused, and why
+        self._overlong: dict[PeerID, str] = {}  # reducers whose averages were refused as over-long (`OverlongAverage`)
+        self._own_span_squares = [0.0, 0.0]  # our parts of the span we reduce, and their robust aggregates: sum of squares
         self._own_norms = reference_norms(self.parts_for_local_averaging)
         self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
         self._compressing: set[int] = set()  # parts whose reply is being made
@@ -1447,8 +1459,15 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         (unless their sender was out of step: `_strikes`), and reducers whose averages failed our check. Network
         trouble is not in it."""
         flagged = {peer: why for peer, why in self._flagged.items() if self._strikes(peer, why)}
-        caught = {**flagged, **self._invalid}
+        caught = {**flagged, **self._invalid, **(self._overlong if self._update_as_long_as_the_groups else {})}
         return {peer: why for peer, why in caught.items() if peer not in self.banned | {self.peer_id}}
+
+    @property
+    def _update_as_long_as_the_groups(self) -> bool:
+        """Whether our own span shows our update as long as the group's (`SHORT_UPDATE_RATIO`; yes where we reduce
+        nothing): only then do our parts judge other reducers' averages as over-long."""
+        ours, aggregate = self._own_span_squares
+        return aggregate <= SHORT_UPDATE_RATIO ** 2 * ours or ours == aggregate == 0
 
     def _strikes(self, sender: PeerID, why: str) -> bool:
         """Whether a part the robust rule flagged counts against its sender. An excused sender's update out of step
@@ -1645,6 +1664,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         buffers = []
         for part_index, part in enumerate(self.parts_for_local_averaging):
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, self.weight)
+            self._own_span_squares[0] += float(part.float().square().sum())
+            self._own_span_squares[1] += float(averaged.float().square().sum())
             message, decoded = await asyncio.shield(self._reply_for(part_index, averaged))
             buffers.append(message.buffer)
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
@@ -1706,7 +1727,8 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             if isinstance(refusal, ShortPartRefusal):  # lost to us, and no evidence against its reducer
                 self.reply_digests[peer_index] = NO_AVERAGE
             elif refusal is not None:  # whatever ended the stream, a refused average counts against its reducer
-                self._invalid.setdefault(peer_id, f"an invalid average ({refusal})")
+                refused = self._overlong if isinstance(refusal, OverlongAverage) else self._invalid
+                refused.setdefault(peer_id, f"an invalid average ({refusal})")
                 self.reply_digests[peer_index] = REFUSED
         if refusal is not None:
             raise refusal
@@ -1800,7 +1822,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         allowance = max(1.0, self.median_tokens / self.weight) if self.weight > 0 else 1.0
         norm = float(averaged.norm())
         if norm > REPLY_NORM_RATIO * allowance * reference:
-            raise (InvalidContributionError if self._own_parts_are_evidence else ShortPartRefusal)(
+            raise (OverlongAverage if self._own_parts_are_evidence else ShortPartRefusal)(
                 f"average norm {norm:.3g} is over {REPLY_NORM_RATIO:g} x {allowance:.3g} x our part's {reference:.3g}")
 
     async def _count_outgoing(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:

@@ -295,6 +295,21 @@ def test_a_peer_far_short_of_the_groups_tokens_refuses_a_long_average_but_strike
         assert torch.equal(got, want)
 
 
+def test_a_peer_whose_update_is_far_shorter_than_its_spans_aggregate_strikes_no_reducer_for_a_long_average():
+    """At the group's tokens, a peer a few steps into a cold round's warm-up can have an update 13x shorter than
+    the others'. Its own span shows that (its robust aggregate far longer than its part), so the honest averages it
+    refuses as over-long earn their reducers no strike; a peer whose update is as long as its span's aggregate
+    still strikes (the -50x reducer of tests/test_robust.py)."""
+    tokens = [1000.0] * 3
+    # the others' parts 30x ours: within a part's bound (100x), their average ~20x ours, over the average's (10x)
+    grads = [[g / 30 for g in random_grads(0)], random_grads(1), random_grads(2)]
+    with swarm([OneBitCodec()] * 3) as averagers:
+        outcomes = run_round(averagers, grads, tokens)
+        caught = [averager.caught_peers() for averager in averagers]
+    assert outcomes[0].error is None and outcomes[0].dropped_peers == 2  # both other spans refused
+    assert caught == [set(), set(), set()]
+
+
 def test_a_pair_with_a_peer_outside_pair_partners_is_refused_without_stalling_the_other():
     """`pair_partners` names whom a round averages with in a group of two. The refusing peer takes no average
     (nothing is owed for it) but still takes part, so a partner that accepts the pair gets their average
