@@ -1413,7 +1413,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             self.tensor_part_reducer.on_sender_failed(self.sender_peer_ids.index(peer_id))
         self._invalid: dict[PeerID, str] = {}  # groupmates whose parts or averages were refused, and why
         self._overlong: dict[PeerID, str] = {}  # reducers whose averages were refused as over-long (`OverlongAverage`)
-        self._own_span_squares = [0.0, 0.0]  # our parts of the span we reduce, and their robust aggregates: sum of squares
+        self._own_span_squares = [0.0, 0.0]  # sums of squares: our parts of the span we reduce, their aggregates
         self._own_norms = reference_norms(self.parts_for_local_averaging)
         self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
         self._compressing: set[int] = set()  # parts whose reply is being made

@@ -457,8 +457,8 @@ class SwarmPeer:
     def _keep_last_round_local(self, flight: _InFlight, outcome: RoundOutcome) -> None:
         """Leaving with a round nobody averaged, the round before averaged with a group: no outer step on our
         update alone, which would leave this peer on global weights no other peer holds (a lone step of one peer's
-        noisy update, momentum and all, with nothing after it to average it out: 0.4-6% worse val loss than its
-        group's in the runs that ended so, benchmarks/RESULTS.md). The global weights stay the group's; the round's
+        noisy update, momentum and all, with nothing after it to average it out: 0.35-5.9% worse val loss than
+        its group's in the runs that ended so, benchmarks/RESULTS.md). The global weights stay the group's; the round's
         steps stay local, as the run's last steps do when the swarm made fewer than H (`LastSteps.KEEP_LOCAL`)."""
         self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
         self.report.round(flight.number, outcome, self._fingerprint)
