@@ -458,8 +458,9 @@ class SwarmPeer:
         """Leaving with a round nobody averaged, the round before averaged with a group: no outer step on our
         update alone, which would leave this peer on global weights no other peer holds (a lone step of one peer's
         noisy update, momentum and all, with nothing after it to average it out: 0.35-5.9% worse val loss than
-        its group's in the runs that ended so, benchmarks/RESULTS.md). The global weights stay the group's; the round's
-        steps stay local, as the run's last steps do when the swarm made fewer than H (`LastSteps.KEEP_LOCAL`)."""
+        its group's in the runs that ended so, benchmarks/RESULTS.md). The global weights stay the group's; the
+        round's steps stay local, as the run's last steps do when the swarm made fewer than H
+        (`LastSteps.KEEP_LOCAL`)."""
         self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
         self.report.round(flight.number, outcome, self._fingerprint)
         log.info("round %d's steps stay local (nobody averaged them as this peer left): global weights of round %d, "
