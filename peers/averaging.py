@@ -193,7 +193,7 @@ class InvalidContributionError(ValueError):
 
 class OverlongAverage(InvalidContributionError):
     """A reducer's average refused as far longer than our part of its span, where our tokens are evidence: a strike,
-    unless our own span shows our update far shorter than the group's (`SHORT_UPDATE_RATIO`)."""
+    unless our own span shows our update far shorter than the group's (`settle_overlong_refusals`)."""
 
 
 class ShortPartRefusal(InvalidContributionError):
@@ -896,6 +896,7 @@ class SwarmAverager(AveragerBase):
         future.set_result(self._reputation.caught | (self._reputation.disputed if disputed else set()))
 
     def _record_rejections(self, runner: "_OneBitAllReduceRunner") -> None:
+        runner.settle_overlong_refusals()  # (done already unless the all-reduce failed)
         for peer, why in runner.excused_flags.items():
             logger.info("no strike for %s this round (%s): its update was made on other global weights, out of step "
                         "or just back in step", peer, why)
@@ -998,6 +999,7 @@ class SwarmAverager(AveragerBase):
             disputed: dict[PeerID, list[tuple[int, int]]] = {}
             try:
                 averaged = [tensor async for tensor in runner]
+                runner.settle_overlong_refusals()
                 self._evidence_books.keep(group_id, group_info.peer_ids, declarations, runner.signed_copies,
                                           runner.signed_replies)
                 disputed, recovered = await self._agree_on_spans(runner, group_id, sent)
@@ -1412,7 +1414,7 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
             self.banned_senders.add(peer_id)
             self.tensor_part_reducer.on_sender_failed(self.sender_peer_ids.index(peer_id))
         self._invalid: dict[PeerID, str] = {}  # groupmates whose parts or averages were refused, and why
-        self._overlong: dict[PeerID, str] = {}  # reducers whose averages were refused as over-long (`OverlongAverage`)
+        self._overlong: dict[PeerID, str] = {}  # reducers refused as over-long, until `settle_overlong_refusals`
         self._own_span_squares = [0.0, 0.0]  # sums of squares: our parts of the span we reduce, their aggregates
         self._own_norms = reference_norms(self.parts_for_local_averaging)
         self._replies: dict[int, asyncio.Future] = {}  # part index -> (message, decoded), shared by all senders
@@ -1459,15 +1461,23 @@ class _OneBitAllReduceRunner(AllReduceRunnerBase):
         (unless their sender was out of step: `_strikes`), and reducers whose averages failed our check. Network
         trouble is not in it."""
         flagged = {peer: why for peer, why in self._flagged.items() if self._strikes(peer, why)}
-        caught = {**flagged, **self._invalid, **(self._overlong if self._update_as_long_as_the_groups else {})}
+        caught = {**flagged, **self._invalid}
         return {peer: why for peer, why in caught.items() if peer not in self.banned | {self.peer_id}}
 
-    @property
-    def _update_as_long_as_the_groups(self) -> bool:
-        """Whether our own span shows our update as long as the group's (`SHORT_UPDATE_RATIO`; yes where we reduce
-        nothing): only then do our parts judge other reducers' averages as over-long."""
+    def settle_overlong_refusals(self) -> None:
+        """Once our own span is reduced, before the span digests go out: the averages refused as over-long
+        (`OverlongAverage`) count against their reducers (`rejected`) only if our own span shows our update as long as
+        the group's (its aggregate at most `SHORT_UPDATE_RATIO` times our parts; so where we reduce nothing). Else
+        our parts were no evidence: those spans are lost to us as a `ShortPartRefusal`'s are (`NO_AVERAGE`), with
+        no strike and no vote against their reducers. Idempotent."""
         ours, aggregate = self._own_span_squares
-        return aggregate <= SHORT_UPDATE_RATIO ** 2 * ours or ours == aggregate == 0
+        evidence = aggregate <= SHORT_UPDATE_RATIO ** 2 * ours
+        for peer_id, why in self._overlong.items():
+            if evidence:
+                self._invalid.setdefault(peer_id, why)
+            else:
+                self.reply_digests[self.ordered_peer_ids.index(peer_id)] = NO_AVERAGE
+        self._overlong.clear()
 
     def _strikes(self, sender: PeerID, why: str) -> bool:
         """Whether a part the robust rule flagged counts against its sender. An excused sender's update out of step
