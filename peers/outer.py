@@ -132,8 +132,14 @@ class DelayedOuterStep:
         the new global weights plus the progress made since this round began."""
         progress = self.local_progress(weights_now)
         self.outer.step(averaged, momentum_rounds, plain)
-        self.round_start = {name: w.clone() for name, w in self.outer.weights.items()}
+        self.restart_round()
         return {name: self.round_start[name] - progress[name] for name in progress}
+
+    def restart_round(self) -> Weights:
+        """Count the round in progress from the global weights (after one is applied or loaded, or a round's steps
+        are kept local); returns that start."""
+        self.round_start = {name: w.clone() for name, w in self.outer.weights.items()}
+        return self.round_start
 
     @torch.no_grad()
     def finish_round(self, weights_now: Mapping[str, torch.Tensor]) -> Weights:

@@ -234,8 +234,7 @@ class SwarmPeer:
 
     def _restart_round_from_global_weights(self) -> None:
         """Drop local progress: the trainer and the current round start again from the global weights."""
-        self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
-        self.trainer.apply_outer_update(self.rounds.round_start)
+        self.trainer.apply_outer_update(self.rounds.restart_round())
         self._advertise_state()
 
     def _advertise_state(self) -> None:
@@ -461,7 +460,7 @@ class SwarmPeer:
         its group's in the runs that ended so, benchmarks/RESULTS.md). The global weights stay the group's; the
         round's steps stay local, as the run's last steps do when the swarm made fewer than H
         (`LastSteps.KEEP_LOCAL`)."""
-        self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
+        self.rounds.restart_round()
         self.report.round(flight.number, outcome, self._fingerprint)
         log.info("round %d's steps stay local (nobody averaged them as this peer left): global weights of round %d, "
                  "weights %s", flight.number, self.round, self._fingerprint)
@@ -529,7 +528,7 @@ class SwarmPeer:
                 self.outer.step(average, momentum_rounds=self.round, plain=self._is_opening(flight))
                 self.round += 1
                 self._fingerprint = self.weights_fingerprint()
-            self.rounds.round_start = {n: w.clone() for n, w in self.outer.weights.items()}
+            self.rounds.restart_round()
         self.trainer.apply_outer_update({n: w - progress[n] for n, w in self.rounds.round_start.items()})
         self._advertise_state()
         self.status.update(round=self.round)
