@@ -1049,7 +1049,8 @@ class SwarmAverager(AveragerBase):
         reported = await self._digest_inboxes.wait(group_id, [] if self.client_mode else alive, SPAN_AGREEMENT_TIMEOUT_S)
         self._show_evidence(runner, group_id, reported)
         received = believed(mine, reported)
-        recoverable = recoverable_spans(mine, received, [key is not None for key in runner.reducer_keys])
+        recoverable = recoverable_spans(peers, {runner.peer_id: mine, **received},
+                                        [key is not None for key in runner.reducer_keys])
         dropped = {}
         for index in sorted(disputed_spans(mine, received)):
             if mine[index] == REFUSED and any(digests[index] not in (NO_AVERAGE, REFUSED)

@@ -31,11 +31,13 @@ peers that caught a liar show it to each groupmate they meet later, once each, a
 answer): that peer refuses the span, which proves nothing to the others, and the rules above apply.
 
 **Signed copies travel.** Where some groupmates lost a signed span (no average, or one they refused) and all
-those that took it got the same bytes, nobody drops it: those that took it keep it, and the others fetch a copy
-from one of them (`copy_request`, `EvidenceBooks.relayed`), check its reducer's signature and take it as that
-reducer's own answer. A reducer that denies one groupmate a valid answer then costs the group nothing, nor does a
-groupmate claiming it refused a span, and a peer whose reducer timed out stays in step. Without span keys a copy
-could be forged by whoever relays it, so unsigned spans are dropped as before.
+those other than its reducer that took it got the same bytes, nobody drops it: those that took it keep it, and
+the others fetch a copy from one of them (`copy_request`, `EvidenceBooks.relayed`), check its reducer's signature
+and take it as that reducer's own answer. A reducer that denies one groupmate a valid answer then costs the group
+nothing, nor does a groupmate claiming it refused a span, and a peer whose reducer timed out stays in step where
+another groupmate took the span. A span that only its reducer holds is dropped by all: the reducer's own word
+settles nothing. Without span keys a copy could be forged by whoever relays it, so unsigned spans are dropped as
+before.
 """
 
 from __future__ import annotations
@@ -187,16 +189,20 @@ def believed(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]) ->
     return kept
 
 
-def recoverable_spans(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]],
+def recoverable_spans(peers: Sequence[PeerID], vectors: Mapping[PeerID, Sequence[bytes]],
                       signed: Sequence[bool]) -> dict[int, bytes]:
-    """Spans (reducer indices -> digest) that some of us lost while everyone that took an average of it got the
-    same bytes, where the reducer signs its span (`signed`): kept by those that took it, fetched by the others.
-    `theirs`: believed vectors."""
-    vectors = [mine, *theirs.values()]
+    """Spans (reducer indices -> digest) that some of us lost while every groupmate but its reducer that took an
+    average of it got the same bytes, where the reducer signs its span (`signed`): kept by those that took it,
+    fetched by the others. `peers`: the group in reducer order; `vectors`: ours and the believed ones.
+
+    A reducer's word that it took its own span counts for nothing: a liar's copy may pass every check, and
+    whether its digests reach a groupmate within the wait decides whether that groupmate takes it, so honest
+    peers would part; a span only its reducer holds is dropped by all."""
     recoverable = {}
     for index, is_signed in enumerate(signed):
-        taken = {digests[index] for digests in vectors} - {NO_AVERAGE, REFUSED}
-        if is_signed and len(taken) == 1 and any(digests[index] in (NO_AVERAGE, REFUSED) for digests in vectors):
+        others = [digests[index] for peer, digests in vectors.items() if peer != peers[index]]
+        taken = set(others) - {NO_AVERAGE, REFUSED}
+        if is_signed and len(taken) == 1 and any(digest in (NO_AVERAGE, REFUSED) for digest in others):
             recoverable[index] = taken.pop()
     return recoverable
 

@@ -467,6 +467,25 @@ def test_a_reducer_answering_minus_50x_loses_its_span_and_is_banned():
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_a_span_only_its_lying_reducer_holds_is_dropped_alike_by_both_honest_peers():
+    """2 honest peers + a reducer answering -50x to both, each lie signed: both refuse it. Its own digests say it
+    took its span, and it would serve a signed copy of the true average that passes every check, but a reducer's
+    word alone recovers nothing (it reached one groupmate in time and not the other, and the two parted): both
+    drop its span and apply the same average."""
+    kinds = [SwarmAverager] * 2 + [LyingReducer]
+    with swarm([OneBitCodec() for _ in range(3)], averager_type=kinds, identities=True) as averagers:
+        honest, liar = averagers[:2], averagers[2]
+        grads = grads_of_round(0, 3)
+        outcomes = play(averagers, grads, [1000.0] * 3, group_size=3)[:2]
+        got = [flat(o.averaged) for o in outcomes]
+        assert torch.equal(got[0], got[1]) and bool(torch.isfinite(got[0]).all())
+        assert 0.15 < float((got[0] == 0).float().mean()) < 0.55  # the liar's span, about a third
+        wait_for(lambda: all(a.banned_count for a in honest))
+        assert_banned_by_all(honest, [liar])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_peer_a_few_steps_into_its_round_refuses_a_50x_answer_too():
     """Just past a state download a peer's part is small next to the group's average, and too small to judge
     an answer's direction by; the bound scaled by its tokens still refuses a reducer's 50x answer."""

@@ -59,19 +59,28 @@ def test_only_another_average_or_a_refused_one_speaks_against_a_reducer():
     assert not took_another(ours, ours) and not took_another(ours, lost)
 
 
-def test_a_signed_span_some_lost_is_kept_when_everyone_that_took_it_got_the_same_bytes():
-    """Lost (0) or refused (-1) by some, one digest among those that took it, signed: kept, and fetched by the
-    rest. Two different digests, nobody missing it, or no signature: not recoverable (dropped as before)."""
+def test_a_signed_span_some_lost_is_kept_when_every_groupmate_that_took_it_got_the_same_bytes():
+    """Lost (0) or refused (-1) by some, one digest among the groupmates other than its reducer that took it,
+    signed: kept, and fetched by the rest. Two different digests, nobody missing it, no signature, or nobody but
+    its reducer holding it: not recoverable (dropped by all)."""
     signed = [True] * 4
+
+    def recoverable(*vectors):
+        return recoverable_spans(PEERS, dict(zip(PEERS, vectors)), signed)
+
     mine = vector(1, 2, 3, 4)
-    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, -1, 4), PEERS[2]: vector(1, 2, 3, 4)}, signed) == {
-        2: span_digest([bytes([3])])}
-    assert recoverable_spans(vector(1, 0, 3, 4), {PEERS[1]: vector(1, 2, 3, 4)}, signed) == {
-        1: span_digest([bytes([2])])}
-    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, -1, 4), PEERS[2]: vector(1, 2, 9, 4)}, signed) == {}
-    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, 3, 4)}, signed) == {}
-    assert recoverable_spans(mine, {PEERS[1]: vector(1, 2, -1, 4)}, [True, True, False, True]) == {}
-    assert recoverable_spans(vector(1, 2, 0, 4), {PEERS[1]: vector(1, 2, -1, 4)}, signed) == {}  # nobody took it
+    assert recoverable(mine, vector(1, 2, -1, 4), vector(1, 2, 3, 4)) == {2: span_digest([bytes([3])])}
+    assert recoverable(vector(1, 0, 3, 4), vector(1, 2, 3, 4), vector(1, 2, 3, 4)) == {1: span_digest([bytes([2])])}
+    assert recoverable_spans(PEERS, {PEERS[0]: mine, PEERS[1]: vector(1, 2, -1, 4), PEERS[3]: vector(1, 2, 9, 4)},
+                             signed) == {}
+    assert recoverable(mine, vector(1, 2, 3, 4)) == {}
+    assert recoverable_spans(PEERS, dict(zip(PEERS, [mine, vector(1, 2, -1, 4)])), [True, True, False, True]) == {}
+    assert recoverable(vector(1, 2, 0, 4), vector(1, 2, -1, 4)) == {}  # nobody took it
+    # its reducer's word alone: peer 1 claims it took its own span, which we lost
+    assert recoverable(vector(1, 0, 3, 4), vector(1, 2, 3, 4)) == {}
+    # a two-faced reducer (peer 3) claiming another digest than the one groupmate it told the truth got
+    assert recoverable(vector(1, 2, 3, 4), vector(1, 2, 3, -1), vector(1, 2, 3, 4), vector(1, 2, 3, 9)) == {
+        3: span_digest([bytes([4])])}
 
 
 def test_a_signed_copy_is_relayed_only_to_a_groupmate_and_only_where_we_took_it():
