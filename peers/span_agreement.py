@@ -64,6 +64,7 @@ logger = logging.getLogger(__name__)
 DIGEST_BYTES = hashlib.sha256().digest_size
 NO_AVERAGE = bytes(DIGEST_BYTES)  # the digest of a span this peer has no average of (timed out, empty)
 REFUSED = b"\xff" * DIGEST_BYTES  # of a span whose average this peer refused (invalid) or whose reducer it banned
+_NOT_TAKEN = (NO_AVERAGE, REFUSED)
 MAX_PENDING_GROUPS = 4  # inboxes kept at once: a round's, and a few stale ones a slow peer may still reach
 SIGNATURE_BYTES = 64  # an Ed25519 signature
 MAX_PROOF_BYTES = 4096  # a Proof's message: two digests and signatures, an RSA key and its vouch, a group id
@@ -178,10 +179,13 @@ def read_evidence(message: averaging_pb2.AveragingData, group_size: int) -> dict
 
 
 def believed(mine: Sequence[bytes], theirs: Mapping[PeerID, Sequence[bytes]]) -> dict[PeerID, Sequence[bytes]]:
-    """The groupmates' digest vectors that differ from ours on one span at most (see the module docstring)."""
+    """The groupmates' digest vectors that differ from ours on one span at most (see the module docstring). A span
+    neither of us took (lost to one, refused by the other) is no difference: a peer whose short first round made
+    it refuse two spans (one from an honest reducer, one from a liar its groupmate refused) would otherwise believe
+    nobody, and the two would part over the honest span."""
     kept = {}
     for peer, digests in theirs.items():
-        differing = sum(a != b for a, b in zip(mine, digests))
+        differing = sum(a != b and not (a in _NOT_TAKEN and b in _NOT_TAKEN) for a, b in zip(mine, digests))
         if differing <= 1:
             kept[peer] = digests
         else:

@@ -106,6 +106,14 @@ def test_a_groupmate_differing_on_several_spans_is_not_believed():
     assert believed(vector(1, 2, 3, 4), theirs) == {PEERS[2]: vector(1, 2, 3, -1)}
 
 
+def test_spans_neither_peer_took_are_no_difference_between_their_digests():
+    """Lost by one and refused by the other: neither took it, so it does not count against believing a groupmate
+    (a short first round refusing two spans, one of which its groupmate refused too)."""
+    assert believed(vector(1, 0, 3, 0), {PEERS[1]: vector(1, 2, 3, -1)}) == {PEERS[1]: vector(1, 2, 3, -1)}
+    assert believed(vector(1, 2, 3, -1), {PEERS[1]: vector(1, 0, 3, 0)}) == {PEERS[1]: vector(1, 0, 3, 0)}
+    assert believed(vector(1, 0, 3, 0), {PEERS[1]: vector(1, 2, 3, 4)}) == {}  # two it took and we did not
+
+
 def test_a_reducer_is_outvoted_when_most_of_its_other_groupmates_refused_what_we_took():
     mine = vector(1, 2, 3, 4)  # we are PEERS[0]; PEERS[3] reduced span 3
     two_refusals = {PEERS[1]: vector(1, 2, 3, -1), PEERS[2]: vector(1, 2, 3, -1), PEERS[3]: vector(1, 2, 3, 4)}
