@@ -28,8 +28,10 @@ One round, seen from a peer (all of it in the averager's child process; packing 
    span show each other, and ban its reducer.
 
 A span whose reducer fails or sends something invalid contributes zero for that round (identically on every
-peer of the group, through the digests) and what each sender sent for it goes back into its residual; if the
-whole round fails, the sender's residual is rolled back. Either way nothing a sender owes is lost, only delayed.
+peer of the group, through the digests), and the outcome says where (`RoundOutcome.lost`): each sender keeps its
+update for it in its weights (peers/swarm.py), so the next round's update carries it, and its residual there is
+what it was before the round; if the whole round fails, the sender's residual is rolled back. Either way nothing
+a sender owes is lost, only delayed.
 
 Groupmates whose parts or averages were refused are counted in a `PeerReputation` (peers/reputation.py); one
 refused in two rounds is banned for the run: its parts are left out, its span's answers unused, and this peer
@@ -226,6 +228,9 @@ class RoundOutcome:
     values_sent: int = 0
     values_received: int = 0
     group_peers: tuple[str, ...] = ()  # peer ids of the group (this one included), as matchmaking formed it
+    # values of `averaged` (flat, in its order) that no reducer averaged for this peer: zero there, and the
+    # peer's own update for them is neither owed nor averaged, so the caller keeps it in its weights; None if none
+    lost: Optional[torch.Tensor] = None
 
 
 class _TaskKeeper:
@@ -305,7 +310,7 @@ class PendingRound:
     def result(self, timeout: Optional[float] = None) -> RoundOutcome:
         """Wait for the round (at most `timeout` s; TimeoutError after that). Never raises for network failures."""
         if self._outcome is None:
-            averaged, group_size, group_tokens, error, metadata, peers = None, 1, 0.0, None, (), ()
+            averaged, group_size, group_tokens, error, metadata, peers, lost = None, 1, 0.0, None, (), (), None
             try:
                 gathered = self._control.result(timeout=timeout)
             except Exception as e:
@@ -319,6 +324,8 @@ class PendingRound:
                 group_tokens = sum(_declared_tokens(info) for info in gathered.values())
                 metadata = tuple(_declared_metadata(info) for info in gathered.values())
                 peers = tuple(str(peer) for peer in gathered)
+                if bool(self._averager._round_lost.any()):
+                    lost = self._averager._round_lost.clone()
             sent, received, values_sent, values_received = self._averager._traffic.tolist()
             dropped = int(self._averager._round_dropped.item())
             self._outcome = RoundOutcome(
@@ -334,6 +341,7 @@ class PendingRound:
                 group_metadata=metadata,
                 dropped_peers=dropped,
                 group_peers=peers,
+                lost=lost,
             )
             self._averager._pending = None
         return self._outcome
@@ -398,8 +406,8 @@ class SwarmAverager(AveragerBase):
     :param residual_carry: sender error feedback: the share of what this peer's 1-bit message could not carry
       that it adds to its next round's (1.0: plain error feedback; None: nothing kept). 0.5 ended level with
       no feedback from a cold start, where full feedback cost 1-3 points of validation loss, and ahead of both
-      later in a run (benchmarks/RESULTS.md). Spans no reducer averaged are owed in full whatever the carry,
-      like a failed round.
+      later in a run (benchmarks/RESULTS.md). Where no reducer averaged, the residual is left as before the
+      round (the update stays in the peer's weights: `RoundOutcome.lost`).
     :param reducer_error_feedback: full error feedback for the averages this peer sends back for its span. Off by
       default: on a small DiLoCo problem it cost +22% validation loss, while sender-only feedback with a plain
       1-bit return trip stayed within 1% of uncompressed averaging (benchmarks/RESULTS.md)
@@ -457,6 +465,7 @@ class SwarmAverager(AveragerBase):
         self._reducer_residual = torch.zeros_like(self._flat).share_memory_()
         self._traffic = torch.zeros(4, dtype=torch.int64).share_memory_()  # bytes, values (sent, received)
         self._round_dropped = torch.zeros((), dtype=torch.int64).share_memory_()  # of the last all-reduce attempt
+        self._round_lost = torch.zeros(sum(sizes), dtype=torch.bool).share_memory_()  # values nobody averaged
         self._reputation = PeerReputation()  # lives in the averager process (a copy is forked there)
         self._banned_count = torch.zeros((), dtype=torch.int64).share_memory_()  # its bans, for the host to read
         self._target_group_size = target_group_size
@@ -610,6 +619,7 @@ class SwarmAverager(AveragerBase):
             self._wait_for_last_step()
             self._step_finished.clear()
         self._round_dropped.zero_()  # a round that finds nobody must not report the last one's losses
+        self._round_lost.zero_()
         try:
             with self.get_tensors() as buffers:  # the averager process reads them only once triggered
                 for buffer, tensor in zip(buffers, pseudo_gradient):
@@ -1025,6 +1035,7 @@ class SwarmAverager(AveragerBase):
                       *(span for spans in disputed.values() for span in spans)]
         for start, end in lost_spans:
             average[start:end] = 0  # a disputed span falls back as a failed one does
+            self._round_lost[start:end] = True
         if self.residual_carry is not None:
             self._keep_residual_owed(sent, lost_spans)
         for tensor, part in zip(tensors, self._split(average)):
@@ -1260,9 +1271,11 @@ class SwarmAverager(AveragerBase):
                 self._sender_residual[start:end] = 0
 
     def _keep_residual_owed(self, sent: torch.Tensor, lost_spans: Sequence[tuple[int, int]]) -> None:
-        """After a delivered round: what no reducer averaged is owed in full (everything this peer meant to
-        send there), the rest of the residual by `residual_carry`."""
-        lost = [(start, end, self._sender_residual[start:end] + sent[start:end]) for start, end in lost_spans]
+        """After a delivered round: where no reducer averaged, the residual is what it was before this round (the
+        round's update there stays in the peer's weights: `RoundOutcome.lost`); the rest of it by
+        `residual_carry`."""
+        lost = [(start, end, self._sender_residual[start:end] + sent[start:end] - self._flat[start:end])
+                for start, end in lost_spans]
         if self.residual_carry != 1.0:
             self._sender_residual.mul_(self.residual_carry)
         for start, end, owed in lost:

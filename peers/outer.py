@@ -126,13 +126,18 @@ class DelayedOuterStep:
 
     @torch.no_grad()
     def apply_average(self, weights_now: Mapping[str, torch.Tensor], averaged: Mapping[str, torch.Tensor],
-                      momentum_rounds: int | None = None, plain: bool = False) -> Weights:
+                      momentum_rounds: int | None = None, plain: bool = False,
+                      kept_local: Mapping[str, torch.Tensor] | None = None) -> Weights:
         """The outer step with the previous round's average (this peer's own pseudo-gradient when it averaged with
         nobody; `momentum_rounds` and `plain` as in `OuterOptimizer.step`); returns the weights to continue from:
-        the new global weights plus the progress made since this round began."""
+        the new global weights plus the progress made since this round began, plus `kept_local`: the part of the
+        previous round's pseudo-gradient that nobody averaged (zero elsewhere), which the next round's
+        pseudo-gradient then carries."""
         progress = self.local_progress(weights_now)
         self.outer.step(averaged, momentum_rounds, plain)
         self.restart_round()
+        if kept_local is not None:
+            progress = {name: progress[name] + kept_local[name] for name in progress}
         return {name: self.round_start[name] - progress[name] for name in progress}
 
     def restart_round(self) -> Weights:

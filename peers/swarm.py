@@ -431,9 +431,10 @@ class SwarmPeer:
             self._keep_last_round_local(flight, outcome)
             return
         average = flight.pseudo_gradient if outcome.averaged is None else dict(zip(self.names, outcome.averaged))
+        kept_local = self._not_averaged(flight, outcome)
         with self._state_lock:
             weights = self.rounds.apply_average(self.trainer.snapshot(), average, momentum_rounds=self.round,
-                                                plain=self._is_opening(flight))
+                                                plain=self._is_opening(flight), kept_local=kept_local)
             self.round += 1
             self._fingerprint = self.weights_fingerprint()
         self.trainer.apply_outer_update(weights)
@@ -452,6 +453,16 @@ class SwarmPeer:
         consensus, declarers = self._group_consensus(outcome) if outcome.averaged is not None else (None, set())
         if consensus is not None and consensus != flight.base:
             self._resync(flight, consensus, declarers, average)
+
+    def _not_averaged(self, flight: _InFlight, outcome: RoundOutcome) -> dict[str, torch.Tensor] | None:
+        """The part of the round's update that no reducer averaged for us (`RoundOutcome.lost`), to keep in our
+        weights: owing it to a later round instead left those values at the global weights for a round or two,
+        early in a run where a liar's span was lost twice (benchmarks/RESULTS.md)."""
+        if outcome.lost is None:
+            return None
+        masks = outcome.lost.split([flight.pseudo_gradient[name].numel() for name in self.names])
+        return {name: flight.pseudo_gradient[name] * mask.view_as(flight.pseudo_gradient[name])
+                for name, mask in zip(self.names, masks)}
 
     def _keep_last_round_local(self, flight: _InFlight, outcome: RoundOutcome) -> None:
         """Leaving with a round nobody averaged, the round before averaged with a group: no outer step on our

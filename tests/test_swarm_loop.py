@@ -230,6 +230,42 @@ def test_leaving_waits_for_the_round_in_flight_and_applies_the_groups_average(co
     assert any(not torch.equal(local[n], peer.outer.weights[n]) for n in peer.names)
 
 
+def test_values_no_reducer_averaged_keep_the_peers_progress_in_its_weights(corpus, tmp_path):
+    """A round's average comes back with the first tensor lost (no reducer averaged it for us): the global weights
+    take the group's average elsewhere and stay where they were there, and the peer keeps its progress on those
+    values instead of dropping back to the global weights: there its weights are what its training made them,
+    for the next round's update to carry (the averager owes nothing for them)."""
+    at_round_end, at_stop = {}, {}
+
+    def rounds(number, gradient, metadata):
+        at_round_end.update(peer.trainer.snapshot())
+        average = [torch.zeros_like(g) if i == 0 else 0.5 * g for i, g in enumerate(gradient)]
+        lost = torch.cat([torch.full((g.numel(),), i == 0) for i, g in enumerate(gradient)])
+        scripted = averaged_with_group(average, [metadata, metadata], polls=3)  # done only after the stop
+        scripted.outcome = dataclasses.replace(scripted.outcome, lost=lost)
+        return scripted
+
+    def stop() -> bool:
+        if peer.trainer.step >= H + 2:
+            at_stop.update(peer.trainer.snapshot())
+            return True
+        return False
+
+    peer = make_peer(corpus, tmp_path / "lost", rounds)
+    initial = {n: w.clone() for n, w in peer.outer.weights.items()}
+    peer.run(should_stop=stop)
+    sent = dict(zip(peer.names, peer.averager.started[0][0]))
+    average = {n: torch.zeros_like(g) if n == peer.names[0] else 0.5 * g for n, g in sent.items()}
+    assert_same(peer.outer.weights, replay(initial, [average]).weights)
+    first, *rest = peer.names
+    assert torch.equal(peer.outer.weights[first], initial[first])
+    local = peer.trainer.snapshot()
+    torch.testing.assert_close(local[first], at_stop[first], rtol=0, atol=1e-6)  # its own progress, all of it
+    for name in rest:  # the global weights plus the 2 steps since the round ended
+        torch.testing.assert_close(local[name], peer.outer.weights[name] - (at_round_end[name] - at_stop[name]),
+                                   rtol=0, atol=1e-6)
+
+
 def test_leaving_with_a_round_nobody_averaged_after_a_group_keeps_the_groups_global_weights(corpus, tmp_path, caplog):
     """Round 1 averaged with another peer, which has stopped; the run ends with round 2, which finds nobody. No
     outer step on this peer's update alone: its global weights stay the group's of round 1 (which the other peer
