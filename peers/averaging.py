@@ -53,7 +53,7 @@ Usage: the asynchronous swarm loop (host process; `DelayedOuterStep` is in peers
                 average = (dict(zip(names, outcome.averaged)) if outcome.averaged is not None
                            else own_previous)            # nobody to average with: go alone
                 trainer.apply_outer_update(rounds.apply_average(trainer.snapshot(), average))
-                pending = None
+                pending = None                           # (the swarm loop also keeps `outcome.lost` values local)
         # (the swarm loop, peers/swarm.py, trains on until `pending` is done instead of ending the round here)
         # (the swarm loop also calls averager.schedule_round(...) matchmaking_time seconds before the round
         # ends, so that the group is formed by the time start_round hands over the pseudo-gradient)
