@@ -324,8 +324,7 @@ class PendingRound:
                 group_tokens = sum(_declared_tokens(info) for info in gathered.values())
                 metadata = tuple(_declared_metadata(info) for info in gathered.values())
                 peers = tuple(str(peer) for peer in gathered)
-                if bool(self._averager._round_lost.any()):
-                    lost = self._averager._round_lost.clone()
+                lost = self._averager.lost_values()
             sent, received, values_sent, values_received = self._averager._traffic.tolist()
             dropped = int(self._averager._round_dropped.item())
             self._outcome = RoundOutcome(
@@ -465,7 +464,7 @@ class SwarmAverager(AveragerBase):
         self._reducer_residual = torch.zeros_like(self._flat).share_memory_()
         self._traffic = torch.zeros(4, dtype=torch.int64).share_memory_()  # bytes, values (sent, received)
         self._round_dropped = torch.zeros((), dtype=torch.int64).share_memory_()  # of the last all-reduce attempt
-        self._round_lost = torch.zeros(sum(sizes), dtype=torch.bool).share_memory_()  # values nobody averaged
+        self._lost_ranges: list[tuple[int, int]] = []  # [start, end) of the last all-reduce nobody averaged
         self._reputation = PeerReputation()  # lives in the averager process (a copy is forked there)
         self._banned_count = torch.zeros((), dtype=torch.int64).share_memory_()  # its bans, for the host to read
         self._target_group_size = target_group_size
@@ -619,7 +618,6 @@ class SwarmAverager(AveragerBase):
             self._wait_for_last_step()
             self._step_finished.clear()
         self._round_dropped.zero_()  # a round that finds nobody must not report the last one's losses
-        self._round_lost.zero_()
         try:
             with self.get_tensors() as buffers:  # the averager process reads them only once triggered
                 for buffer, tensor in zip(buffers, pseudo_gradient):
@@ -896,6 +894,23 @@ class SwarmAverager(AveragerBase):
         self.run_in_averager_process("_in_a_forming_group", future=future)
         return future.result()
 
+    def lost_values(self) -> Optional[torch.Tensor]:
+        """Of the last all-reduce this peer took part in: a flat mask of the values nobody averaged for it
+        (`RoundOutcome.lost`), or None if none. Asked of the averager process: a mask kept there in shared memory
+        would cost a byte a parameter for good."""
+        future = MPFuture()
+        self.run_in_averager_process("_lost_ranges_of_last_round", future=future)
+        ranges = future.result()
+        if not ranges:
+            return None
+        lost = torch.zeros(self._flat.numel(), dtype=torch.bool)
+        for start, end in ranges:
+            lost[start:end] = True
+        return lost
+
+    async def _lost_ranges_of_last_round(self, future: MPFuture) -> None:
+        future.set_result(list(self._lost_ranges))
+
     async def _in_a_forming_group(self, future: MPFuture) -> None:
         future.set_result(self.matchmaking_holds_a_group())
 
@@ -1035,7 +1050,7 @@ class SwarmAverager(AveragerBase):
                       *(span for spans in disputed.values() for span in spans)]
         for start, end in lost_spans:
             average[start:end] = 0  # a disputed span falls back as a failed one does
-            self._round_lost[start:end] = True
+        self._lost_ranges = lost_spans
         if self.residual_carry is not None:
             self._keep_residual_owed(sent, lost_spans)
         for tensor, part in zip(tensors, self._split(average)):
