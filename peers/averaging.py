@@ -1052,7 +1052,7 @@ class SwarmAverager(AveragerBase):
             average[start:end] = 0  # a disputed span falls back as a failed one does
         self._lost_ranges = lost_spans
         if self.residual_carry is not None:
-            self._keep_residual_owed(sent, lost_spans)
+            self._settle_residual(sent, lost_spans)
         for tensor, part in zip(tensors, self._split(average)):
             tensor.copy_(part)
 
@@ -1285,7 +1285,7 @@ class SwarmAverager(AveragerBase):
                 sent[start:end] += self._sender_residual[start:end]
                 self._sender_residual[start:end] = 0
 
-    def _keep_residual_owed(self, sent: torch.Tensor, lost_spans: Sequence[tuple[int, int]]) -> None:
+    def _settle_residual(self, sent: torch.Tensor, lost_spans: Sequence[tuple[int, int]]) -> None:
         """After a delivered round: where no reducer averaged, the residual is what it was before this round (the
         round's update there stays in the peer's weights: `RoundOutcome.lost`); the rest of it by
         `residual_carry`."""

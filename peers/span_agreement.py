@@ -205,8 +205,8 @@ def recoverable_spans(peers: Sequence[PeerID], vectors: Mapping[PeerID, Sequence
     recoverable = {}
     for index, is_signed in enumerate(signed):
         others = [digests[index] for peer, digests in vectors.items() if peer != peers[index]]
-        taken = set(others) - {NO_AVERAGE, REFUSED}
-        if is_signed and len(taken) == 1 and any(digest in (NO_AVERAGE, REFUSED) for digest in others):
+        taken = set(others) - set(_NOT_TAKEN)
+        if is_signed and len(taken) == 1 and any(digest in _NOT_TAKEN for digest in others):
             recoverable[index] = taken.pop()
     return recoverable
 
