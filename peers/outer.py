@@ -62,17 +62,18 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step(self, pseudo_gradient: Mapping[str, torch.Tensor], momentum_rounds: int | None = None,
-             plain: bool = False) -> Weights:
+             plain: bool = False, plain_lr: float | None = None) -> Weights:
         """Apply one outer step with the averaged pseudo-gradient; return the new global weights (not copies).
         `momentum_rounds`: the rounds the momentum holds (the swarm's round number, the same on every peer in step;
-        None: enough for the oversized-average rule). `plain`: `plain_lr` times the average, the momentum neither
-        used nor gathered (an opening round's step, `RunConfig.opening_rounds`)."""
+        None: enough for the oversized-average rule). `plain`: `plain_lr` (None: the optimizer's) times the average,
+        the momentum neither used nor gathered (an opening round's step, `RunConfig.opening_rounds`)."""
         if set(pseudo_gradient) != set(self.weights):
             missing, extra = set(self.weights) - set(pseudo_gradient), set(pseudo_gradient) - set(self.weights)
             raise ValueError(f"pseudo-gradient names differ: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}")
         if plain:
             for name, weight in self.weights.items():
-                weight.sub_(pseudo_gradient[name].detach().to(weight.dtype).cpu(), alpha=self.plain_lr)
+                weight.sub_(pseudo_gradient[name].detach().to(weight.dtype).cpu(),
+                            alpha=self.plain_lr if plain_lr is None else plain_lr)
             return self.weights
         mature = momentum_rounds is None or momentum_rounds >= MOMENTUM_ROUNDS_FOR_THE_RULE
         ratio = self._length_against_momentum(pseudo_gradient) if mature else 0.0
@@ -126,15 +127,15 @@ class DelayedOuterStep:
 
     @torch.no_grad()
     def apply_average(self, weights_now: Mapping[str, torch.Tensor], averaged: Mapping[str, torch.Tensor],
-                      momentum_rounds: int | None = None, plain: bool = False,
+                      momentum_rounds: int | None = None, plain: bool = False, plain_lr: float | None = None,
                       kept_local: Mapping[str, torch.Tensor] | None = None) -> Weights:
         """The outer step with the previous round's average (this peer's own pseudo-gradient when it averaged with
-        nobody; `momentum_rounds` and `plain` as in `OuterOptimizer.step`); returns the weights to continue from:
+        nobody; `momentum_rounds`, `plain` and `plain_lr` as in `OuterOptimizer.step`); returns the weights to continue from:
         the new global weights plus the progress made since this round began, plus `kept_local`: the part of the
         previous round's pseudo-gradient that nobody averaged (zero elsewhere), which the next round's
         pseudo-gradient then carries."""
         progress = self.local_progress(weights_now)
-        self.outer.step(averaged, momentum_rounds, plain)
+        self.outer.step(averaged, momentum_rounds, plain, plain_lr)
         self.restart_round()
         if kept_local is not None:
             progress = {name: progress[name] + kept_local[name] for name in progress}

@@ -92,6 +92,7 @@ class RoundClock:
         self._others: list[Progress] = []  # the latest fetch, fresh records only
         self._confirmed: set[str] = set()  # peer ids met in an averaging group (or our state's donor)
         self._banned: set[str] = set()  # peer ids whose records count no more
+        self._other_seen: float | None = None  # when a read last found another peer's fresh record
         # Peers seen live before training (join's --min-peers wait, from their metrics records): see `peers_in`.
         self.live_at_start = 1
         self._first_epoch: int | None = None  # the round this peer began training in
@@ -223,6 +224,16 @@ class RoundClock:
         in_round = min(float(self.round_steps(epoch)), collective / self.peers_in(epoch))
         return origin + self.steps_before(epoch) + int(in_round)
 
+    def alone(self) -> bool:
+        """Whether no other peer is online: none counted live now (`live_peers`), nor any seen for a record's
+        lifetime (a DHT read that comes back empty once proves nothing)."""
+        seen_lately = self._other_seen is not None and time.time() - self._other_seen <= self._record_lifetime_s
+        return self.live_peers() == 1 and not seen_lately
+
+    @property
+    def _record_lifetime_s(self) -> float:
+        return 3 * self.every_s + 5
+
     def others_idle(self, epoch: int) -> bool:
         """Whether no other peer is still training towards round `epoch` (all have stopped, or there are none)."""
         return all(p.steps_per_s == 0 for p in self._others if p.epoch in (epoch - 1, epoch))
@@ -230,6 +241,8 @@ class RoundClock:
     def observe(self, others: list[Progress]) -> None:
         """Take `others` (fresh records of the other peers) as the swarm's progress; the DHT thread calls this."""
         self._others = [p for p in others if p.peer_id not in self._banned]
+        if self._others:
+            self._other_seen = time.time()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -243,7 +256,7 @@ class RoundClock:
         mine = self._mine
         if mine is not None:
             record = ProgressRecord(epoch=mine.epoch, steps=mine.steps, steps_per_s=mine.steps_per_s, time=mine.time)
-            store_signed(self.dht, self.record, record, ttl_s=3 * self.every_s + 5)
+            store_signed(self.dht, self.record, record, ttl_s=self._record_lifetime_s)
 
     def _exchange(self) -> None:
         protect(self.dht, self.record)
@@ -251,7 +264,7 @@ class RoundClock:
         own = signer_for(self.dht).local_public_key
         others = []
         now = time.time()
-        fresh = now - 3 * self.every_s - 5
+        fresh = now - self._record_lifetime_s
         for entry in read_signed(self.dht, self.record):
             value = entry.value
             if entry.owner != own and fresh < value.time <= now + 60.0:  # not stale, not from the future

@@ -119,6 +119,23 @@ class SwarmIdentity:
     visible_maddrs: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class _NotOffered:
+    """A round this peer did not offer to the swarm (a `PendingAverage`): averaged with nobody, at once."""
+
+    why: str
+
+    def done(self) -> bool:
+        return True
+
+    def give_up_if_alone(self, after_s: float) -> bool:
+        return False
+
+    def result(self, timeout: Optional[float] = None) -> RoundOutcome:
+        return RoundOutcome(averaged=None, group_size=1, group_tokens=0.0, bytes_sent=0, bytes_received=0,
+                            seconds=0.0, error=self.why)
+
+
 @dataclass
 class _InFlight:
     """A round whose average has not been applied yet."""
@@ -408,12 +425,19 @@ class SwarmPeer:
         pseudo_gradient = self.rounds.finish_round(self.trainer.snapshot())
         tokens, self._tokens_in_round = self._tokens_in_round, 0
         base = self._base()
+        opening = self.clock.is_opening(self.round)
         try:
-            pending = self.averager.start_round(
-                [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata(),
-                group_size=self.schedule.group_size(round_s, synchronous=self.clock.is_opening(self.round)),
-                pair_partners=self._pair_partners(),
-            )
+            if opening and self.clock.alone():
+                # An opening round waits for its average, and a peer alone would wait out its search for a group
+                # (two matchmaking windows) every round: a founder alone sat 10 s idle every 10 steps.
+                self.averager.cancel_scheduled_round()
+                pending: PendingAverage = _NotOffered("nobody else online")
+            else:
+                pending = self.averager.start_round(
+                    [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata(),
+                    group_size=self.schedule.group_size(round_s, synchronous=opening),
+                    pair_partners=self._pair_partners(),
+                )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)
             self._restart_round_from_global_weights()
@@ -430,18 +454,23 @@ class SwarmPeer:
         if outcome.averaged is None and steps_late is None and self._averaged_with and self._rounds_alone == 0:
             self._keep_last_round_local(flight, outcome)
             return
-        average = flight.pseudo_gradient if outcome.averaged is None else dict(zip(self.names, outcome.averaged))
+        alone = outcome.averaged is None
+        average = flight.pseudo_gradient if alone else dict(zip(self.names, outcome.averaged))
         kept_local = self._not_averaged(flight, outcome)
         with self._state_lock:
+            # An opening round's plain lr makes up for a code's shortening of the average (`RunConfig.
+            # opening_outer_lr`); our own update alone was never coded, so it is taken as it is (lr 1: the global
+            # weights become the round's end), not pushed half an update past it each round.
             weights = self.rounds.apply_average(self.trainer.snapshot(), average, momentum_rounds=self.round,
-                                                plain=self._is_opening(flight), kept_local=kept_local)
+                                                plain=self._is_opening(flight), plain_lr=1.0 if alone else None,
+                                                kept_local=kept_local)
             self.round += 1
             self._fingerprint = self.weights_fingerprint()
         self.trainer.apply_outer_update(weights)
         self._advertise_state()
         self.report.round(flight.number, outcome, self._fingerprint, steps_late)
         self.report.share_bans_soon()  # ours from this round, and the others' before the next round's pair rule
-        self._rounds_alone = 0 if outcome.averaged is not None else self._rounds_alone + 1
+        self._rounds_alone = self._rounds_alone + 1 if alone else 0
         if outcome.averaged is not None and not outcome.dropped_peers:
             self.clock.confirm(outcome.group_peers)  # they really averaged with us: their progress counts fully
         if outcome.averaged is not None:

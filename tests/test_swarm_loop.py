@@ -310,10 +310,22 @@ def test_opening_rounds_are_short_waited_for_and_applied_without_momentum(corpus
     poll) is applied before the next step, at the run's opening lr and without outer momentum; the rounds after
     them are H steps long and asynchronous, at the outer lr with momentum, and the learning-rate schedule counts the
     opening rounds' steps."""
-    peer = make_peer(corpus, tmp_path / "opening", lambda k, g, m: averaged_with_group([0.5 * t for t in g], [m, m],
-                                                                                      polls=2),
-                     max_steps=2 + 2 + H + 1, clock=QuietClock(opening_rounds=2, opening_inner_steps=2),
-                     opening_rounds=2, opening_inner_steps=2, opening_outer_lr=1.5 * LR)
+    clock = QuietClock(opening_rounds=2, opening_inner_steps=2)
+
+    def partner_done_with(epoch: int) -> None:  # another peer online, as fast as this one
+        clock.observe([Progress(epoch=epoch, steps=clock.round_steps(epoch), steps_per_s=0.0, time=time.time(),
+                                peer_id="other")])
+
+    def rounds(number, gradient, metadata):
+        if number < 3:
+            partner_done_with(number)
+        else:  # it leaves as round 3 ends
+            clock.observe([])
+        return averaged_with_group([0.5 * t for t in gradient], [metadata, metadata], polls=2)
+
+    partner_done_with(0)
+    peer = make_peer(corpus, tmp_path / "opening", rounds, max_steps=2 + 2 + H + 1, clock=clock, opening_rounds=2,
+                     opening_inner_steps=2, opening_outer_lr=1.5 * LR)
     initial = {n: w.clone() for n, w in peer.outer.weights.items()}
     with caplog.at_level(logging.INFO, logger="tscale_p2p"):
         peer.run()
@@ -327,6 +339,29 @@ def test_opening_rounds_are_short_waited_for_and_applied_without_momentum(corpus
         expected.step(average, plain=number < 2)
     assert_same(peer.outer.weights, expected.weights)
     assert peer.clock.schedule_step(0, 3, 0) == 2 + 2 + H  # round 3 begins at step 8 of the schedule
+
+
+def test_a_peer_alone_takes_its_opening_rounds_as_they_are_without_looking_for_a_group(corpus, tmp_path, caplog):
+    """A founder nobody has joined yet: its opening rounds are not offered to the swarm (each would wait out a
+    search for a group before the next step) and each is taken as it is, the global weights becoming the round's
+    end (the opening lr makes up for a code's shortening of an average, which its own update never had); the
+    H-step round after them looks for a group as any round does."""
+    rounds: list[ScriptedRound] = []
+    peer = make_peer(corpus, tmp_path / "founder", lambda k, g, m: rounds.append(ScriptedRound()) or rounds[-1],
+                     max_steps=2 + 2 + H, clock=QuietClock(opening_rounds=2, opening_inner_steps=2),
+                     opening_rounds=2, opening_inner_steps=2, opening_outer_lr=1.5 * LR)
+    weights_at_round_end = []
+    finish_round = peer.rounds.finish_round
+    peer.rounds.finish_round = lambda now: weights_at_round_end.append(
+        {n: now[n].clone() for n in peer.names}) or finish_round(now)
+    with caplog.at_level(logging.INFO, logger="tscale_p2p"):
+        peer.run()
+    assert peer.round == 3 and len(peer.averager.started) == 1 and len(rounds) == 1
+    assert caplog.text.count("averaged with nobody (nobody else online)") == 2
+    assert [r.patience for r in rounds] == [[2 * MATCHMAKING_S]]  # the H-step round, as a lone peer's round
+    expected = OuterOptimizer(weights_at_round_end[1], LR, MOMENTUM)
+    expected.step(dict(zip(peer.names, peer.averager.started[0][0])))
+    assert_same(peer.outer.weights, expected.weights)
 
 
 def test_the_runs_last_steps_are_averaged_when_the_swarm_made_h_steps_in_the_round(corpus, tmp_path):

@@ -169,6 +169,23 @@ def test_a_first_round_expects_every_peer_seen_live_before_training_though_it_co
     assert schedule.group_size(round_s=10.0) == 4  # from its second round the records alone tell
 
 
+def test_a_peer_is_alone_only_once_no_other_peer_has_been_seen_for_a_records_lifetime(monkeypatch):
+    """An opening round a peer alone takes at once, unaveraged (peers/swarm.py): a DHT read that comes back empty
+    once must not make a peer of a swarm take one so, out of step with its group."""
+    clock = clock_seeing()
+    clock.update(0, 1, 1.0)
+    assert clock.alone()  # a founder nobody has joined
+    clock.observe([Progress(0, 1, 1.0, time.time(), "b")])
+    assert not clock.alone()
+    clock.observe([])  # a read that found nothing
+    assert not clock.alone()
+    later = time.time() + 3 * clock.every_s + 6  # the last record seen has expired by then
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert clock.alone()
+    clock.live_at_start = 2  # in its first round, the peers join saw live before training count
+    assert not clock.alone()
+
+
 def test_a_round_is_given_up_after_two_windows_only_when_nobody_else_trains_towards_it():
     now = time.time()
     assert RoundSchedule(clock_seeing(), matchmaking_time=1.5).give_up_after(4) == 3.0
