@@ -19,7 +19,9 @@ to shape the links:
 Then runs `--peers` real `tscale-peer join` processes, one per namespace, for `--steps` local steps each,
 and reads from their logs:
 
-- round time: wall seconds from starting a round's averaging to its result (matchmaking + all-reduce);
+- round time: wall seconds from starting a round's averaging to its result (matchmaking + all-reduce); with
+  `--opening-rounds`, those rounds apart (the peers wait for each before the next step, so their time is the
+  run's cost of them, with the swarm loop's wall time);
 - busy fraction: the share of the swarm loop's wall time spent inside `Trainer.local_step()`, as the peer logs
   it (while training: the wait for the last round's average before leaving is logged apart);
 - with `--breakdown`, where the rest goes: a `sitecustomize` module the script writes into its work folder
@@ -251,7 +253,8 @@ def run_swarm(args, work: Path) -> list[str]:
         "--matchmaking-time", str(args.matchmaking_time), "--averaging-timeout", "60", "--eval-every", "0",
         "--save-every", "0", "--log-every", "50", "--run-id", "netem", "--min-peers", str(args.peers),
     ]
-    founder_flags = ["--model", args.model, "--inner-steps", str(args.inner_steps), "--steps", str(10 * args.steps)]
+    founder_flags = ["--model", args.model, "--inner-steps", str(args.inner_steps), "--steps", str(10 * args.steps),
+                     "--opening-rounds", str(args.opening_rounds), "--opening-inner-steps", str(args.opening_inner_steps)]
     logs = [work / f"peer{i}.log" for i in range(args.peers)]
     hook = work / "breakdown"
     if args.breakdown:
@@ -311,6 +314,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--inner-steps", type=int, default=50)
+    parser.add_argument("--opening-rounds", type=int, default=0,
+                        help="the run's opening rounds (join's --opening-rounds): each waited for before the next step")
+    parser.add_argument("--opening-inner-steps", type=int, default=10)
     parser.add_argument("--matchmaking-time", type=float, default=5.0)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--shaping", choices=("netem", "relay"), default="netem",
@@ -348,19 +354,27 @@ def main() -> None:
     print(f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}, {commit}, {platform.node()}: "
           f"{len(os.sched_getaffinity(0))} CPUs; load average (1/5/15 min) before "
           f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)}")
+    opening = f", {args.opening_rounds} opening rounds of {args.opening_inner_steps}" if args.opening_rounds else ""
     print(f"{args.peers} peers, links: {shaping} (measured TCP round trip: {rtt:.2f} ms), model {args.model}, "
-          f"batch {args.batch_size}, H={args.inner_steps}, {args.steps} steps per peer, matchmaking {args.matchmaking_time} s")
+          f"batch {args.batch_size}, H={args.inner_steps}{opening}, {args.steps} steps per peer, matchmaking "
+          f"{args.matchmaking_time} s")
     extra = " drain at exit (s) | round-end work (ms/round) | busy without the drain |" if args.breakdown else ""
-    print("| peer | rounds (with others / alone) | round time median (s) | max (s) | KiB sent/round | busy fraction |" + extra)
-    print("| --- " * (6 + 3 * args.breakdown) + "|")
+    print("| peer | rounds (with others / alone) | opening rounds: median / max (s) | round time median (s) | max (s) "
+          "| KiB sent/round | swarm loop (s) | busy fraction |" + extra)
+    print("| --- " * (8 + 3 * args.breakdown) + "|")
     for i, log in enumerate(logs):
-        grouped = re.findall(r"averaged with (\d+) peer\(s\)(?:, lost \d+ of them mid-round)? in ([\d.]+) s, sent ([\d.]+) KiB", log)
+        grouped = [(int(number), float(seconds), float(kib)) for number, seconds, kib in re.findall(
+            r"round (\d+): averaged with \d+ peer\(s\)(?:, lost \d+ of them mid-round)? in ([\d.]+) s, sent ([\d.]+) KiB",
+            log)]
         alone = len(re.findall(r"averaged with nobody", log))
-        times = [float(t) for _, t, _ in grouped]
-        sent = [float(k) for _, _, k in grouped]
-        busy = re.search(r"trainer busy ([\d.]+)%", log)
-        print(f"| {i} | {len(grouped)} / {alone} | {statistics.median(times) if times else float('nan'):.2f} | "
-              f"{max(times, default=float('nan')):.2f} | {statistics.mean(sent) if sent else float('nan'):.0f} | "
+        opening_times = [t for number, t, _ in grouped if number <= args.opening_rounds]
+        times = [t for number, t, _ in grouped if number > args.opening_rounds]
+        sent = [k for _, _, k in grouped]
+        busy = re.search(r"trainer busy ([\d.]+)% of (\d+) s", log)
+        opening_cell = (f"{statistics.median(opening_times):.2f} / {max(opening_times):.2f}" if opening_times else "-")
+        print(f"| {i} | {len(grouped)} / {alone} | {opening_cell} | "
+              f"{statistics.median(times) if times else float('nan'):.2f} | {max(times, default=float('nan')):.2f} | "
+              f"{statistics.mean(sent) if sent else float('nan'):.0f} | {busy.group(2) if busy else 'n/a'} | "
               f"{busy.group(1) + '%' if busy else 'n/a'} |" + (breakdown_columns(log) if args.breakdown else ""))
 
 
