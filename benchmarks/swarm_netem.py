@@ -254,7 +254,8 @@ def run_swarm(args, work: Path) -> list[str]:
         "--save-every", "0", "--log-every", "50", "--run-id", "netem", "--min-peers", str(args.peers),
     ]
     founder_flags = ["--model", args.model, "--inner-steps", str(args.inner_steps), "--steps", str(10 * args.steps),
-                     "--opening-rounds", str(args.opening_rounds), "--opening-inner-steps", str(args.opening_inner_steps)]
+                     "--opening-rounds", str(args.opening_rounds),
+                     "--opening-inner-steps", str(args.opening_inner_steps)]
     logs = [work / f"peer{i}.log" for i in range(args.peers)]
     hook = work / "breakdown"
     if args.breakdown:
@@ -364,8 +365,8 @@ def main() -> None:
     print("| --- " * (8 + 3 * args.breakdown) + "|")
     for i, log in enumerate(logs):
         grouped = [(int(number), float(seconds), float(kib)) for number, seconds, kib in re.findall(
-            r"round (\d+): averaged with \d+ peer\(s\)(?:, lost \d+ of them mid-round)? in ([\d.]+) s, sent ([\d.]+) KiB",
-            log)]
+            r"round (\d+): averaged with \d+ peer\(s\)(?:, lost \d+ of them mid-round)? in ([\d.]+) s, "
+            r"sent ([\d.]+) KiB", log)]
         alone = len(re.findall(r"averaged with nobody", log))
         opening_times = [t for number, t, _ in grouped if number <= args.opening_rounds]
         times = [t for number, t, _ in grouped if number > args.opening_rounds]

@@ -130,9 +130,9 @@ class DelayedOuterStep:
                       momentum_rounds: int | None = None, plain: bool = False, plain_lr: float | None = None,
                       kept_local: Mapping[str, torch.Tensor] | None = None) -> Weights:
         """The outer step with the previous round's average (this peer's own pseudo-gradient when it averaged with
-        nobody; `momentum_rounds`, `plain` and `plain_lr` as in `OuterOptimizer.step`); returns the weights to continue from:
-        the new global weights plus the progress made since this round began, plus `kept_local`: the part of the
-        previous round's pseudo-gradient that nobody averaged (zero elsewhere), which the next round's
+        nobody; `momentum_rounds`, `plain` and `plain_lr` as in `OuterOptimizer.step`); returns the weights to
+        continue from: the new global weights plus the progress made since this round began, plus `kept_local`: the
+        part of the previous round's pseudo-gradient that nobody averaged (zero elsewhere), which the next round's
         pseudo-gradient then carries."""
         progress = self.local_progress(weights_now)
         self.outer.step(averaged, momentum_rounds, plain, plain_lr)
