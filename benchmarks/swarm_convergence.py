@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -192,7 +193,8 @@ VARIANTS = {
 
 # --apply-after-trips: a row's numeric settings -> the argument they override
 TRIP_FIELDS = {"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry",
-               "up_error": "up_error", "down_error": "down_error", "opening_lr": "opening_outer_lr"}
+               "up_error": "up_error", "down_error": "down_error", "opening_lr": "opening_outer_lr",
+               "lr_peak": "outer_lr_peak"}
 # --apply-after-trips: key -> (row label, TRIPS key)
 APPLY_AFTER_TRIPS = {
     "exact": ("exact mean", "exact"),
@@ -221,6 +223,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
     rounds = [DelayedOuterStep(outer) for outer in outers]
     residuals = [{n: torch.zeros_like(w) for n, w in outers[0].weights.items()} for _ in range(len(peers) + 1)]
     previous, plain = None, False  # plain: the last round was an opening round (--first-rounds-plain)
+    peak = getattr(args, "outer_lr_peak", None)
+    falling = None if peak is None else dataclasses.replace(run_config(args), outer_lr_peak=peak)
     for round_number, (start, steps) in enumerate(round_lengths(args.steps, args.inner_steps, args.first_rounds)):
         deltas = []
         for trainer, bookkeeping in zip(peers, rounds):
@@ -246,6 +250,9 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
             deltas = coded
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
         plain = args.first_rounds_plain and round_number < len(args.first_rounds)
+        if falling is not None:  # join --outer-lr-peak: the outer lr where the inner schedule ended the round
+            for outer in outers:
+                outer.set_lr(falling.outer_lr_at(peers[0].lr_at(peers[0].step) / peers[0].cfg.lr))
         if down != "exact":
             reducer_carry = 1.0 if down == "ef" else getattr(args, "reducer_carry", None)
             if reducer_carry is not None:  # one residual for the whole model: as if each span kept its reducer
@@ -343,9 +350,9 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 
 def trip_spec(spec: str) -> tuple[str, str, dict]:
     """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]
-    [;up_error=X][;down_error=X][;opening_lr=X]` (rcarry: a reducer residual on the return trip, damped by X each
-    round; up_error, down_error: the trip's code error scaled by X, see `carried`; opening_lr: the plain step's lr
-    in --first-rounds-plain rounds, as --opening-outer-lr):
+    [;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X]` (rcarry: a reducer residual on the return trip, damped
+    by X each round; up_error, down_error: the trip's code error scaled by X, see `carried`; opening_lr: the plain
+    step's lr in --first-rounds-plain rounds, as --opening-outer-lr; lr_peak: join's --outer-lr-peak):
     (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")

@@ -321,6 +321,7 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
             opening_rounds=swarm.opening_rounds or 0,
             opening_inner_steps=swarm.opening_inner_steps or DEFAULT_OPENING_INNER_STEPS,
             opening_outer_lr=swarm.opening_outer_lr or DEFAULT_OPENING_OUTER_LR,
+            outer_lr_peak=swarm.outer_lr_peak,
         )
         log.info("started run %r (config %s): model %s, %s, codec %s", options.run_id, run.hash[:12],
                  run.model_config.dims, rounds_text(run), run.codec)
@@ -379,7 +380,9 @@ def rounds_text(run: RunConfig) -> str:
     """The run's rounds as its log line gives them."""
     opening = (f" after {run.opening_rounds} opening rounds of {run.opening_inner_steps} at plain lr "
                f"{run.opening_outer_lr:g}" if run.opening_rounds else "")
-    return f"{run.inner_steps} inner steps{opening}"
+    outer = (f", outer lr {run.outer_lr_peak:g} falling to {run.outer_lr:g} with the inner lr"
+             if run.outer_lr_peak is not None else "")
+    return f"{run.inner_steps} inner steps{opening}{outer}"
 
 
 def initial_weights(run: RunConfig) -> dict[str, torch.Tensor]:

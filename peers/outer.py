@@ -90,6 +90,11 @@ class OuterOptimizer:
             weight.grad = None
         return self.weights
 
+    def set_lr(self, lr: float) -> None:
+        """The lr of the steps with momentum from now on."""
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+
     def _length_against_momentum(self, pseudo_gradient: Mapping[str, torch.Tensor]) -> float:
         """|average| / |momentum| (0 before the first step, or without momentum)."""
         buffers = [self._optimizer.state[w].get("momentum_buffer") for w in self.weights.values()]

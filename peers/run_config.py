@@ -68,7 +68,7 @@ LATER_TRAIN_FIELDS = {"embedding_weight_decay": 0.0}
 MODEL_TRAIN_FIELDS = ("model", "window_schedule", "mlp", "dropout", "attention_dropout", "tie_embeddings")
 
 # RunConfig keys a published config may leave out (at their defaults; see `RunConfig._hashed`).
-OPTIONAL_KEYS = {"codec", "opening_rounds", "opening_inner_steps", "opening_outer_lr"}
+OPTIONAL_KEYS = {"codec", "opening_rounds", "opening_inner_steps", "opening_outer_lr", "outer_lr_peak"}
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 RUN_CONFIG_FILE = "run-config.json"
 CONFIG_TTL_S = 24 * 3600.0  # refreshed by every live peer, so the run outlives its first peer
@@ -92,6 +92,9 @@ class RunConfig:
     opening_rounds: int = 0
     opening_inner_steps: int = DEFAULT_OPENING_INNER_STEPS
     opening_outer_lr: float = DEFAULT_OPENING_OUTER_LR
+    # The outer lr while the inner lr is at its peak, falling with it to `outer_lr` (`outer_lr_at`); None: `outer_lr`
+    # throughout.
+    outer_lr_peak: float | None = None
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -99,7 +102,8 @@ class RunConfig:
         for name, least in (("inner_steps", 1), ("opening_inner_steps", 1), ("opening_rounds", 0)):
             if getattr(self, name) < least:  # (a TypeError for a non-number: from_wire calls it malformed)
                 raise UserError(f"{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}")
-        for name in ("outer_lr", "opening_outer_lr"):
+        lrs = ("outer_lr", "opening_outer_lr") + (("outer_lr_peak",) if self.outer_lr_peak is not None else ())
+        for name in lrs:
             if not getattr(self, name) > 0:
                 raise UserError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not 0 <= self.outer_momentum < 1:
@@ -118,6 +122,7 @@ class RunConfig:
         opening_rounds: int = 0,
         opening_inner_steps: int = DEFAULT_OPENING_INNER_STEPS,
         opening_outer_lr: float = DEFAULT_OPENING_OUTER_LR,
+        outer_lr_peak: float | None = None,
     ) -> "RunConfig":
         return cls(
             model=model_cfg.to_dict(),
@@ -134,6 +139,7 @@ class RunConfig:
             opening_rounds=opening_rounds,
             opening_inner_steps=opening_inner_steps,
             opening_outer_lr=opening_outer_lr,
+            outer_lr_peak=outer_lr_peak,
         )
 
     @property
@@ -152,7 +158,15 @@ class RunConfig:
             del fields_["codec"]
         if not fields_["opening_rounds"]:
             del fields_["opening_rounds"], fields_["opening_inner_steps"], fields_["opening_outer_lr"]
+        if fields_["outer_lr_peak"] is None:
+            del fields_["outer_lr_peak"]
         return fields_
+
+    def outer_lr_at(self, inner_lr_ratio: float) -> float:
+        """The outer lr of a round that begins where the inner lr is `inner_lr_ratio` of its peak."""
+        if self.outer_lr_peak is None:
+            return self.outer_lr
+        return self.outer_lr + (self.outer_lr_peak - self.outer_lr) * inner_lr_ratio
 
     def apply_to(self, cfg: TrainConfig) -> TrainConfig:
         """`cfg` with the run's shared settings (and its model, by dims and kinds) in place of its own."""
@@ -187,6 +201,7 @@ class RunConfig:
             "opening_rounds": self.opening_rounds,
             "opening_inner_steps": self.opening_inner_steps,
             "opening_outer_lr": self.opening_outer_lr,
+            "outer_lr_peak": self.outer_lr_peak,
         }
         for name, value in explicit.items():
             if name not in run_values:

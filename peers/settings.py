@@ -47,6 +47,9 @@ class SwarmSettings:
         metavar="H", ge=1)
     outer_lr: float | None = option(None, f"outer Nesterov SGD learning rate (new run; {DEFAULT_OUTER_LR})",
                                     metavar="LR", gt=0)
+    outer_lr_peak: float | None = option(
+        None, "the outer lr while the inner lr is at its peak, falling with it to --outer-lr (new run; default: "
+        "--outer-lr throughout)", metavar="LR", gt=0)
     outer_momentum: float | None = option(None, f"outer Nesterov momentum (new run; {DEFAULT_OUTER_MOMENTUM})",
                                           metavar="M", ge=0, lt=1)
     opening_rounds: int | None = option(

@@ -457,6 +457,7 @@ class SwarmPeer:
         alone = outcome.averaged is None
         average = flight.pseudo_gradient if alone else dict(zip(self.names, outcome.averaged))
         kept_local = self._not_averaged(flight, outcome)
+        self._follow_the_schedule()
         with self._state_lock:
             # An opening round's plain lr makes up for a code's shortening of the average (`RunConfig.
             # opening_outer_lr`); our own update alone was never coded, so it is taken as it is (lr 1: the global
@@ -482,6 +483,13 @@ class SwarmPeer:
         consensus, declarers = self._group_consensus(outcome) if outcome.averaged is not None else (None, set())
         if consensus is not None and consensus != flight.base:
             self._resync(flight, consensus, declarers, average)
+
+    def _follow_the_schedule(self) -> None:
+        """The outer lr for round `self.round`'s step (`RunConfig.outer_lr_at`), from the inner lr where the swarm
+        ended that round: every peer in step computes the same."""
+        if self.run_config.outer_lr_peak is not None:
+            inner_lr = self.trainer.lr_at(self.schedule_origin + self.clock.steps_before(self.round + 1))
+            self.outer.set_lr(self.run_config.outer_lr_at(inner_lr / self.trainer.cfg.lr))
 
     def _not_averaged(self, flight: _InFlight, outcome: RoundOutcome) -> dict[str, torch.Tensor] | None:
         """The part of the round's update that no reducer averaged for us (`RoundOutcome.lost`), to keep in our
@@ -565,6 +573,7 @@ class SwarmPeer:
         progress = self.rounds.local_progress(self.trainer.snapshot())
         with self._state_lock:
             if plan is Resync.ADOPT_AND_STEP:  # the donor had not applied this round's average yet
+                self._follow_the_schedule()
                 self.outer.step(average, momentum_rounds=self.round, plain=self._is_opening(flight))
                 self.round += 1
                 self._fingerprint = self.weights_fingerprint()

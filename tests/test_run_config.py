@@ -120,3 +120,18 @@ def test_opening_rounds_are_a_run_setting_and_runs_without_them_keep_their_hash(
         replace(plain, opening_rounds=-1)
     with pytest.raises(UserError, match="opening-outer-lr must be positive, got 0"):
         replace(plain, opening_outer_lr=0)
+
+
+def test_an_outer_lr_that_falls_with_the_inner_one_is_a_run_setting_and_runs_without_it_keep_their_hash():
+    plain = founder_config()
+    falling = replace(plain, outer_lr_peak=1.5)
+    assert falling.hash != plain.hash and "outer_lr_peak" not in plain.to_wire()["config"]
+    assert RunConfig.from_wire(falling.to_wire()) == falling
+    assert [falling.outer_lr_at(ratio) for ratio in (1.0, 0.5, 0.0)] == [1.5, 0.5 * (1.5 + plain.outer_lr),
+                                                                          plain.outer_lr]
+    assert plain.outer_lr_at(1.0) == plain.outer_lr
+    with pytest.raises(UserError, match="--outer-lr-peak 2.0 contradicts run 'r', which uses outer-lr-peak 1.5"):
+        falling.check_flags("r", {"outer_lr_peak": 2.0})
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(UserError, match="outer-lr-peak must be positive"):
+            replace(plain, outer_lr_peak=bad)

@@ -138,18 +138,20 @@ class NoMetrics:
         return []
 
 
-def train_config(corpus, out) -> TrainConfig:
-    return TrainConfig(data=str(corpus), out=str(out), device="cpu", batch_size=2, steps=10_000, warmup=0, lr=1e-2,
+def train_config(corpus, out, steps: int = 10_000) -> TrainConfig:
+    return TrainConfig(data=str(corpus), out=str(out), device="cpu", batch_size=2, steps=steps, warmup=0, lr=1e-2,
                        save_every=0, eval_every=0, log_every=1000)
 
 
 def make_peer(corpus, out, rounds, *, donor=None, max_steps=None, clock=None, trainer=None, banned=None,
-              caught=(), opening_rounds=0, opening_inner_steps=1, opening_outer_lr=LR) -> SwarmPeer:
-    cfg = train_config(corpus, out)
+              caught=(), opening_rounds=0, opening_inner_steps=1, opening_outer_lr=LR, outer_lr_peak=None,
+              schedule_steps=10_000) -> SwarmPeer:
+    cfg = train_config(corpus, out, schedule_steps)
     trainer = trainer or Trainer(ModelConfig.from_dims("e32h2d1w32"), cfg, load_corpus(str(corpus)), torch.device("cpu"))
     run = RunConfig.from_settings(cfg, trainer.model_cfg, tokenizer_id(trainer.corpus.tokenizer, trainer.corpus.vocab_size),
                                   inner_steps=H, outer_lr=LR, outer_momentum=MOMENTUM, opening_rounds=opening_rounds,
-                                  opening_inner_steps=opening_inner_steps, opening_outer_lr=opening_outer_lr)
+                                  opening_inner_steps=opening_inner_steps, opening_outer_lr=opening_outer_lr,
+                                  outer_lr_peak=outer_lr_peak)
     return SwarmPeer(trainer, lambda template, source: ScriptedAverager(rounds, donor, banned, caught), NoMetrics(),
                      SwarmIdentity("me", "me", "loop", "cpu", relayed=False), LocalStatus(), run=run,
                      max_steps=max_steps, publish_every_s=60.0, clock=clock or QuietClock())
@@ -292,6 +294,23 @@ def test_leaving_with_a_round_nobody_averaged_after_a_group_keeps_the_groups_glo
     assert f"round 2's steps stay local (nobody averaged them as this peer left): global weights of round 1, " \
            f"weights {peer.weights_fingerprint()}" in caplog.text
     assert "continuing alone" not in caplog.text
+
+
+def test_the_outer_lr_falls_with_the_inner_one_where_the_run_says_so(corpus, tmp_path):
+    """A run with `outer_lr_peak`: each round's outer step takes the outer lr that the inner lr's schedule gives
+    where the swarm ended that round, as every peer in step computes it."""
+    peer = make_peer(corpus, tmp_path / "falling", lambda k, g, m: averaged_with_group([t.clone() for t in g], [m, m]),
+                     max_steps=2 * H + 1, outer_lr_peak=2 * LR, schedule_steps=4 * H)
+    initial = {n: w.clone() for n, w in peer.outer.weights.items()}
+    peer.run()
+    assert peer.round == 2
+    expected = OuterOptimizer(initial, LR, MOMENTUM)
+    for number, (gradient, _) in enumerate(peer.averager.started, start=1):
+        inner_lr_ratio = peer.trainer.lr_at(number * H) / peer.trainer.cfg.lr
+        assert inner_lr_ratio < 0.9  # the schedule has begun to fall: the outer lr is not the peak's
+        expected.set_lr(peer.run_config.outer_lr_at(inner_lr_ratio))
+        expected.step(dict(zip(peer.names, gradient)))
+    assert_same(peer.outer.weights, expected.weights)
 
 
 def test_each_round_says_how_many_steps_into_the_next_one_its_average_was_applied(corpus, tmp_path, caplog):
