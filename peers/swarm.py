@@ -457,8 +457,8 @@ class SwarmPeer:
         alone = outcome.averaged is None
         average = flight.pseudo_gradient if alone else dict(zip(self.names, outcome.averaged))
         kept_local = self._not_averaged(flight, outcome)
-        self._follow_the_schedule()
         with self._state_lock:
+            self._follow_the_schedule()
             # An opening round's plain lr makes up for a code's shortening of the average (`RunConfig.
             # opening_outer_lr`); our own update alone was never coded, so it is taken as it is (lr 1: the global
             # weights become the round's end), not pushed half an update past it each round.
