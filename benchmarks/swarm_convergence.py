@@ -79,6 +79,12 @@ def run_config(args) -> RunConfig:
     return RunConfig.from_settings(cfg, model, "byte", args.inner_steps, args.outer_lr, args.outer_momentum)
 
 
+def outer_lr_label(args) -> str:
+    """The outer lr as the tables' headers give it."""
+    peak = args.outer_lr_peak
+    return f"outer lr {args.outer_lr}{f' (from {peak} with the inner lr)' if peak is not None else ''}"
+
+
 def opening_flags(args) -> list[str]:
     """join's --opening-rounds and --opening-inner-steps for --first-rounds-plain (whose rounds must then be of one
     length, as join's opening rounds are)."""
@@ -286,6 +292,7 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], b
         "--outer-momentum", str(args.outer_momentum), "--eval-batches", str(args.eval_batches),
         "--min-peers", str(args.peers), "--error-feedback", args.error_feedback, "--codec", args.codec,
         *opening_flags(args),
+        *(["--outer-lr-peak", str(args.outer_lr_peak)] if args.outer_lr_peak is not None else []),
     ]
     logs = [work / f"peer{i}.log" for i in range(args.peers)]
     processes = [bootstrap]
@@ -422,6 +429,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--outer-lr", type=float, default=DEFAULT_OUTER_LR, help="(default: join's)")
     parser.add_argument("--outer-momentum", type=float, default=DEFAULT_OUTER_MOMENTUM, help="(default: join's)")
+    parser.add_argument("--outer-lr-peak", type=float, default=None, metavar="LR",
+                        help="join's --outer-lr-peak: the outer lr falls from LR to --outer-lr with the inner lr, "
+                        "in the swarm and every in-process DiLoCo row (a row's lr_peak=X wins)")
     parser.add_argument("--eval-batches", type=int, default=40)
     parser.add_argument("--first-rounds", default="", type=step_counts,
                         metavar="N,N,...", help="the in-process rows' first rounds, in steps each (e.g. 25,50,100: "
@@ -543,7 +553,7 @@ def compare(args, out: Path | None, started: float) -> None:
         f"H={args.inner_steps}, inner lr {args.lr}{f' (in-process peers {args.peer_lr})' if args.peer_lr else ''} "
         f"(warm-up {args.warmup}, cosine"
         f"{f' over {args.from_step + args.steps} steps, rows from step {args.from_step}' if args.from_step else ''}), "
-        f"swarm outer lr {args.outer_lr} "
+        f"swarm {outer_lr_label(args)} "
         f"momentum {args.outer_momentum}, matchmaking {args.matchmaking_time} s, codec {args.codec}"
         f"{f' (damped-ef carry {args.carry})' if 'damped-ef' in args.apply_after_trips else ''}; "
         f"{time.perf_counter() - started:.0f} s",

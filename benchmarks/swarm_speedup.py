@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from swarm_convergence import add_run_arguments, diloco_in_process, trainer_for, val_loss
+from swarm_convergence import add_run_arguments, diloco_in_process, outer_lr_label, trainer_for, val_loss
 from tscale_p2p.peers.settings import DEFAULT_ERROR_FEEDBACK, ERROR_FEEDBACK_CARRY
 
 # benchmarks/RESULTS.md, "Swarm rounds and busy time": 4 peers on 100 Mbit/s, 40 ms RTT links, rounds of 0.7-1.1 s
@@ -147,7 +147,7 @@ def main() -> None:
     lines = [
         f"model {args.model} on {args.device}, batch {args.batch_size} a peer, N={args.steps} steps (warm-up "
         f"{args.warmup}, cosine), inner lr {args.lr} (the swarm's peers {args.peer_lr}), H={args.inner_steps}, "
-        f"outer lr {args.outer_lr} momentum {args.outer_momentum}, seed {args.seed}, the swarm rows' schedule "
+        f"{outer_lr_label(args)} momentum {args.outer_momentum}, seed {args.seed}, the swarm rows' schedule "
         f"{args.swarm_steps} steps, averages applied {args.apply_after} steps into the next round; target: the solo "
         f"run's final val loss {target:.4f}; t_step {1000 * step_s:.1f} ms (median of the solo run), t_round "
         f"{args.round_time} s"
