@@ -53,7 +53,7 @@ from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.codec import CODECS
 from tscale_p2p.peers.join import initial_weights
 from tscale_p2p.peers.settings import (DEFAULT_CODEC, DEFAULT_OPENING_OUTER_LR, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,
-                                       ERROR_FEEDBACK_CARRY)
+                                       ERROR_FEEDBACK_CARRY, OPENING_OUTER_LR_PEAK_RATIO)
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
 from tscale_p2p.trainer import Trainer
@@ -79,10 +79,18 @@ def run_config(args) -> RunConfig:
     return RunConfig.from_settings(cfg, model, "byte", args.inner_steps, args.outer_lr, args.outer_momentum)
 
 
+def outer_lr_peak(args) -> float | None:
+    """join's --outer-lr-peak for these settings: as given, else join's default (with opening rounds, a multiple of
+    the outer lr; without them none)."""
+    if args.outer_lr_peak is not None:
+        return args.outer_lr_peak
+    return OPENING_OUTER_LR_PEAK_RATIO * args.outer_lr if args.first_rounds_plain and args.first_rounds else None
+
+
 def outer_lr_label(args) -> str:
     """The outer lr as the tables' headers give it."""
-    peak = args.outer_lr_peak
-    return f"outer lr {args.outer_lr}{f' (from {peak} with the inner lr)' if peak is not None else ''}"
+    peak = outer_lr_peak(args)
+    return f"outer lr {args.outer_lr}{f' (from {peak:g} with the inner lr)' if peak is not None else ''}"
 
 
 def opening_flags(args) -> list[str]:
@@ -229,7 +237,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
     rounds = [DelayedOuterStep(outer) for outer in outers]
     residuals = [{n: torch.zeros_like(w) for n, w in outers[0].weights.items()} for _ in range(len(peers) + 1)]
     previous, plain = None, False  # plain: the last round was an opening round (--first-rounds-plain)
-    peak = getattr(args, "outer_lr_peak", None)
+    peak = outer_lr_peak(args)
     falling = None if peak is None else dataclasses.replace(run_config(args), outer_lr_peak=peak)
     for round_number, (start, steps) in enumerate(round_lengths(args.steps, args.inner_steps, args.first_rounds)):
         deltas = []
@@ -431,7 +439,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outer-momentum", type=float, default=DEFAULT_OUTER_MOMENTUM, help="(default: join's)")
     parser.add_argument("--outer-lr-peak", type=float, default=None, metavar="LR",
                         help="join's --outer-lr-peak: the outer lr falls from LR to --outer-lr with the inner lr, "
-                        "in the swarm and every in-process DiLoCo row (a row's lr_peak=X wins)")
+                        "in the swarm and every in-process DiLoCo row (a row's lr_peak=X wins; default: join's, "
+                        f"{OPENING_OUTER_LR_PEAK_RATIO:g}x the row's outer lr with --first-rounds-plain, else none; "
+                        "give the outer lr to keep it level)")
     parser.add_argument("--eval-batches", type=int, default=40)
     parser.add_argument("--first-rounds", default="", type=step_counts,
                         metavar="N,N,...", help="the in-process rows' first rounds, in steps each (e.g. 25,50,100: "

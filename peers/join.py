@@ -60,6 +60,7 @@ from tscale_p2p.peers.settings import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     ERROR_FEEDBACK_CARRY,
+    OPENING_OUTER_LR_PEAK_RATIO,
     SwarmSettings,
 )
 from tscale_p2p.peers.state_download import StateCheck, state_offer_record
@@ -310,18 +311,20 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
                                  **of_start)
         save_run_tokenizer(cfg.out, corpus.tokenizer)
         swarm = options.swarm
+        outer_lr = swarm.outer_lr or DEFAULT_OUTER_LR
         run = RunConfig.from_settings(
             cfg,
             model_config_for(cfg, device.type, corpus.vocab_size, start.model_config if start else None),
             tokenizer_id(corpus.tokenizer, corpus.vocab_size),
             inner_steps=swarm.inner_steps or DEFAULT_INNER_STEPS,
-            outer_lr=swarm.outer_lr or DEFAULT_OUTER_LR,
+            outer_lr=outer_lr,
             outer_momentum=swarm.outer_momentum if swarm.outer_momentum is not None else DEFAULT_OUTER_MOMENTUM,
             codec=swarm.codec or DEFAULT_CODEC,
             opening_rounds=swarm.opening_rounds or 0,
             opening_inner_steps=swarm.opening_inner_steps or DEFAULT_OPENING_INNER_STEPS,
             opening_outer_lr=swarm.opening_outer_lr or DEFAULT_OPENING_OUTER_LR,
-            outer_lr_peak=swarm.outer_lr_peak,
+            outer_lr_peak=(swarm.outer_lr_peak if swarm.outer_lr_peak is not None or not swarm.opening_rounds
+                           else OPENING_OUTER_LR_PEAK_RATIO * outer_lr),
         )
         log.info("started run %r (config %s): model %s, %s, codec %s", options.run_id, run.hash[:12],
                  run.model_config.dims, rounds_text(run), run.codec)

@@ -24,6 +24,10 @@ DEFAULT_OPENING_INNER_STEPS = 10
 # a step of 1.0 undershoots; 1.5 read 0.7-1.3 points closer to one process from a cold start than 1.0 (two corpora),
 # 2.0 no closer (benchmarks/RESULTS.md, "Opening rounds").
 DEFAULT_OPENING_OUTER_LR = 1.5
+# A new run with opening rounds and no --outer-lr-peak starts its outer lr at this many times --outer-lr, falling with
+# the inner lr to it: beside 60 opening rounds that read half a point closer to one process from a cold start on two
+# corpora and level later in a run; without them it gained nothing (benchmarks/RESULTS.md, "Opening rounds").
+OPENING_OUTER_LR_PEAK_RATIO = 1.5
 DEFAULT_OUTER_MOMENTUM = 0.7
 # The share of its 1-bit residual a peer carries into its next round, per --error-feedback (None: no residual).
 # Full feedback cost 1-3 points of val loss from a cold start and won up to 0.9 later in a run on the H200;
@@ -49,7 +53,8 @@ class SwarmSettings:
                                     metavar="LR", gt=0)
     outer_lr_peak: float | None = option(
         None, "the outer lr while the inner lr is at its peak, falling with it to --outer-lr (new run; default: "
-        "--outer-lr throughout)", metavar="LR", gt=0)
+        f"{OPENING_OUTER_LR_PEAK_RATIO:g}x --outer-lr with --opening-rounds, else --outer-lr throughout)",
+        metavar="LR", gt=0)
     outer_momentum: float | None = option(None, f"outer Nesterov momentum (new run; {DEFAULT_OUTER_MOMENTUM})",
                                           metavar="M", ge=0, lt=1)
     opening_rounds: int | None = option(

@@ -165,7 +165,8 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
     names = ("a", "b", "c")
     # --min-peers: training starts once all three are up, so the first round can gather all of them. The top-k
     # codec here (the other swarm tests run the default sign codec): agreement must not depend on the codec. Two
-    # opening rounds first (short, each average applied before the next step): agreement must hold through them.
+    # opening rounds first (short, each average applied before the next step), and with them the outer lr falls with
+    # the inner one: agreement must hold through both.
     peers = [
         spawn(name, *join_args(name, text_file, "--initial-peers", bootstrap, "--run-id", "agree", "--name", name,
                                "--min-peers", "3", *TINY, "--inner-steps", "5", "--matchmaking-time", "3",
@@ -205,8 +206,7 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
     for peer in peers:
         assert "Traceback" not in peer.output()
         assert re.search(r"run 'agree' \(config \w+\): model \w+, 5 inner steps after 2 opening rounds of 3 at "
-                         r"plain lr 1.5, "
-                         r"codec topk", peer.output())
+                         r"plain lr 1.5, outer lr 1.5 falling to 1 with the inner lr, codec topk", peer.output())
         assert re.search(r"round 1: averaged with 2 peer\(s\) .* applied 0 steps into round 2", peer.output())
 
 
