@@ -208,7 +208,7 @@ VARIANTS = {
 # --apply-after-trips: a row's numeric settings -> the argument they override
 TRIP_FIELDS = {"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry",
                "up_error": "up_error", "down_error": "down_error", "opening_lr": "opening_outer_lr",
-               "lr_peak": "outer_lr_peak"}
+               "lr_peak": "outer_lr_peak", "opening_carry": "opening_carry"}
 # --apply-after-trips: key -> (row label, TRIPS key)
 APPLY_AFTER_TRIPS = {
     "exact": ("exact mean", "exact"),
@@ -250,9 +250,11 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                     trainer.local_step()
             deltas.append(bookkeeping.finish_round(trainer.snapshot()))
         if up == "damped-ef":
+            opening = args.first_rounds_plain and round_number < len(args.first_rounds)
+            carry = getattr(args, "opening_carry", None) if opening else None
             for residual in residuals[:-1]:
                 for tensor in residual.values():
-                    tensor.mul_(args.carry)
+                    tensor.mul_(args.carry if carry is None else carry)
         if up != "exact":
             coded = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None, args.up_error)
                       for n in d}
@@ -365,9 +367,10 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 
 def trip_spec(spec: str) -> tuple[str, str, dict]:
     """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]
-    [;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X]` (rcarry: a reducer residual on the return trip, damped
-    by X each round; up_error, down_error: the trip's code error scaled by X, see `carried`; opening_lr: the plain
-    step's lr in --first-rounds-plain rounds, as --opening-outer-lr; lr_peak: join's --outer-lr-peak):
+    [;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X][;opening_carry=X]` (rcarry: a reducer residual on the
+    return trip, damped by X each round; up_error, down_error: the trip's code error scaled by X, see `carried`;
+    opening_lr: the plain step's lr in --first-rounds-plain rounds, as --opening-outer-lr; lr_peak: join's
+    --outer-lr-peak; opening_carry: damped-ef's carry in those rounds):
     (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
