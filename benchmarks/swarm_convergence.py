@@ -53,7 +53,8 @@ from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.codec import CODECS
 from tscale_p2p.peers.join import initial_weights
 from tscale_p2p.peers.settings import (DEFAULT_CODEC, DEFAULT_OPENING_OUTER_LR, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,
-                                       ERROR_FEEDBACK_CARRY, OPENING_OUTER_LR_PEAK_RATIO)
+                                       ERROR_FEEDBACK_CARRY, OPENING_OUTER_LR_PEAK_RATIO,
+                                       OPENING_RESIDUAL_CARRY)
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
 from tscale_p2p.trainer import Trainer
@@ -251,7 +252,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
             deltas.append(bookkeeping.finish_round(trainer.snapshot()))
         if up == "damped-ef":
             opening = args.first_rounds_plain and round_number < len(args.first_rounds)
-            carry = getattr(args, "opening_carry", None) if opening else None
+            carry = getattr(args, "opening_carry", OPENING_RESIDUAL_CARRY) if opening else None  # join's, by default
             for residual in residuals[:-1]:
                 for tensor in residual.values():
                     tensor.mul_(args.carry if carry is None else carry)
@@ -370,7 +371,7 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
     [;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X][;opening_carry=X]` (rcarry: a reducer residual on the
     return trip, damped by X each round; up_error, down_error: the trip's code error scaled by X, see `carried`;
     opening_lr: the plain step's lr in --first-rounds-plain rounds, as --opening-outer-lr; lr_peak: join's
-    --outer-lr-peak; opening_carry: damped-ef's carry in those rounds):
+    --outer-lr-peak; opening_carry: damped-ef's carry into those rounds, join's by default):
     (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")

@@ -461,6 +461,8 @@ class SwarmAverager(AveragerBase):
         sizes = [t.numel() for t in template]
         self._flat = torch.zeros(sum(sizes)).share_memory_()  # pseudo-gradient in, average out
         self._sender_residual = torch.zeros_like(self._flat).share_memory_()
+        # The share of the residual the round in flight carries into the next (`start_round`'s residual_carry)
+        self._round_carry = torch.tensor(residual_carry if residual_carry is not None else 0.0).share_memory_()
         self._reducer_residual = torch.zeros_like(self._flat).share_memory_()
         self._traffic = torch.zeros(4, dtype=torch.int64).share_memory_()  # bytes, values (sent, received)
         self._round_dropped = torch.zeros((), dtype=torch.int64).share_memory_()  # of the last all-reduce attempt
@@ -583,6 +585,7 @@ class SwarmAverager(AveragerBase):
         metadata: Any = None,
         group_size: Optional[int] = None,
         pair_partners: Optional[Collection[str]] = None,
+        residual_carry: Optional[float] = None,
     ) -> PendingRound:
         """Begin averaging `pseudo_gradient` (weights at round start minus weights now) in the background.
 
@@ -595,13 +598,17 @@ class SwarmAverager(AveragerBase):
         but with a peer this one has caught). In a pair neither contribution is a majority, so the robust rules cannot
         tell which of the two lies. Uses the round `schedule_round` prepared, if any, with the size it was scheduled
         with and these `pair_partners` (it is dropped, and a round begins from scratch, when it has failed meanwhile or
-        was scheduled with other metadata). The tensors are copied, so training may continue at once. Raises ValueError
-        for a pseudo-gradient that is not finite or does not match the template (cancelling a scheduled round), and
-        RuntimeError while the previous round is still pending.
+        was scheduled with other metadata). `residual_carry`: this round's share of its residual carried into the
+        next, in place of the averager's (ignored without error feedback). The tensors are copied, so training may
+        continue at once. Raises ValueError for a pseudo-gradient that is not finite or does not match the template
+        (cancelling a scheduled round), and RuntimeError while the previous round is still pending.
         """
         if self._pending is not None:
             raise RuntimeError("the previous round is still pending: call result() on it first")
+        carry = self.residual_carry if residual_carry is None else residual_carry
         try:
+            if carry is not None and not 0.0 <= carry <= 1.0:
+                raise ValueError(f"residual_carry must be in [0, 1], got {residual_carry}")
             self._check_contribution(pseudo_gradient, tokens)
         except ValueError:
             self.cancel_scheduled_round()
@@ -618,6 +625,7 @@ class SwarmAverager(AveragerBase):
             self._wait_for_last_step()
             self._step_finished.clear()
         self._round_dropped.zero_()  # a round that finds nobody must not report the last one's losses
+        self._round_carry.fill_(carry or 0.0)  # read in the averager process once this round's all-reduce ends
         try:
             with self.get_tensors() as buffers:  # the averager process reads them only once triggered
                 for buffer, tensor in zip(buffers, pseudo_gradient):
@@ -1287,12 +1295,13 @@ class SwarmAverager(AveragerBase):
 
     def _settle_residual(self, sent: torch.Tensor, lost_spans: Sequence[tuple[int, int]]) -> None:
         """After a delivered round: where no reducer averaged, the residual is what it was before this round (the
-        round's update there stays in the peer's weights: `RoundOutcome.lost`); the rest of it by
+        round's update there stays in the peer's weights: `RoundOutcome.lost`); the rest of it by the round's
         `residual_carry`."""
         lost = [(start, end, self._sender_residual[start:end] + sent[start:end] - self._flat[start:end])
                 for start, end in lost_spans]
-        if self.residual_carry != 1.0:
-            self._sender_residual.mul_(self.residual_carry)
+        carry = float(self._round_carry)
+        if carry != 1.0:
+            self._sender_residual.mul_(carry)
         for start, end, owed in lost:
             self._sender_residual[start:end] = owed
 

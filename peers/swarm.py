@@ -53,6 +53,7 @@ from tscale_p2p.peers.schedule import (
     group_consensus,
     resync_plan,
 )
+from tscale_p2p.peers.settings import OPENING_RESIDUAL_CARRY
 from tscale_p2p.peers.state_download import StateCheck, announce_state
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm_report import SwarmReport
@@ -92,8 +93,8 @@ class RoundAverager(Protocol):
     def cancel_scheduled_round(self) -> None: ...
 
     def start_round(self, pseudo_gradient: Sequence[torch.Tensor], tokens: float, metadata: Any = None,
-                    group_size: Optional[int] = None,
-                    pair_partners: Optional[Collection[str]] = None) -> PendingAverage: ...
+                    group_size: Optional[int] = None, pair_partners: Optional[Collection[str]] = None,
+                    residual_carry: Optional[float] = None) -> PendingAverage: ...
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None,
                               prefer: Optional[Base] = None, prefer_donors: Collection[str] = ()): ...
@@ -437,6 +438,8 @@ class SwarmPeer:
                     [pseudo_gradient[n] for n in self.names], tokens=tokens, metadata=self._base_metadata(),
                     group_size=self.schedule.group_size(round_s, synchronous=opening),
                     pair_partners=self._pair_partners(),
+                    # into an opening round, 10 steps on, what the code could not carry is still fresh: all of it
+                    residual_carry=OPENING_RESIDUAL_CARRY if self.clock.is_opening(self.round + 1) else None,
                 )
         except ValueError as error:  # a non-finite local update: never share it, rewind to the global weights
             log.error("round %d: not averaging a bad local update (%s); back to the global weights", self.round + 1, error)

@@ -265,7 +265,8 @@ def attacking_averager(attack: str, folder: Path | None) -> type[SwarmAverager]:
             kwargs["residual_carry"] = None  # it sends exactly its attack, no error feedback
             super().__init__(*args, **kwargs)
 
-        def start_round(self, pseudo_gradient, tokens, metadata=None, group_size=None, pair_partners=None):
+        def start_round(self, pseudo_gradient, tokens, metadata=None, group_size=None, pair_partners=None,
+                        residual_carry=None):
             # an attacker takes any pair (no pair_partners): it gains most there
             return super().start_round(transform(list(pseudo_gradient), metadata), claimed or tokens, metadata,
                                        group_size)

@@ -248,6 +248,25 @@ def test_peers_sending_nan_wrong_shapes_or_absurd_norms_are_dropped():
     torch.testing.assert_close(owed[reduced & ~own], 0.5 * (mine - sent)[reduced & ~own], rtol=0, atol=1e-9)
 
 
+def test_a_round_may_carry_more_of_its_residual_than_the_averager_does():
+    """`start_round(residual_carry=...)` sets that round's share of the residual carried on (join's opening
+    rounds carry all of it), in place of the averager's damped share; an out-of-range share is refused."""
+    grads, tokens, carries = [random_grads(seed) for seed in range(2)], [1000.0, 1000.0], (1.0, None)
+    with swarm([OneBitCodec(), OneBitCodec()], part_size_bytes=64, residual_carry=0.5) as averagers:
+        with pytest.raises(ValueError, match="residual_carry must be in \\[0, 1\\], got 1.5"):
+            averagers[0].start_round(grads[0], tokens=1000.0, residual_carry=1.5)
+        pending = [a.start_round(g, tokens=t, residual_carry=c) for a, g, t, c in zip(averagers, grads, tokens, carries)]
+        outcomes = [p.result(timeout=40) for p in pending]
+        owed = [a.error_feedback_state()["sender"] for a in averagers]
+    for outcome, grad, peer_owes, share in zip(outcomes, grads, owed, (1.0, 0.5)):
+        assert outcome.error is None and outcome.group_size == 2
+        mine = torch.cat([g.view(-1) for g in grad])
+        sent = torch.cat([onebit(g).view(-1) for g in grad])
+        sent_coded = peer_owes != 0  # its own span was taken exactly and owes nothing
+        assert 0.3 < float(sent_coded.float().mean()) < 0.7
+        torch.testing.assert_close(peer_owes[sent_coded], share * (mine - sent)[sent_coded], rtol=0, atol=1e-9)
+
+
 def test_a_peer_on_another_codec_is_dropped_as_sender_and_as_reducer():
     """E8 words and signs take the same bytes: a sign-coded part must not pass for E8 words (or the reverse)."""
     grads, tokens = [random_grads(seed) for seed in range(3)], [1000.0, 1000.0, 1000.0]

@@ -24,6 +24,7 @@ from tscale_p2p.peers.outer import OuterOptimizer
 from tscale_p2p.peers.progress import Progress, RoundClock
 from tscale_p2p.peers.run_config import RunConfig
 from tscale_p2p.peers.schedule import PAIR_PATIENCE
+from tscale_p2p.peers.settings import OPENING_RESIDUAL_CARRY
 from tscale_p2p.peers.status import LocalStatus
 from tscale_p2p.peers.swarm import SwarmIdentity, SwarmPeer
 from tscale_p2p.peers.swarm_state import SWARM_STATE_FILE, SwarmState, fingerprint, read_state_file
@@ -91,6 +92,7 @@ class ScriptedAverager:
         self.round_scheduled = False
         self.started: list[tuple[list[torch.Tensor], dict]] = []  # (pseudo-gradient, metadata) of each round
         self.pair_partners: list = []  # each round's pair_partners
+        self.residual_carries: list = []  # each round's residual_carry
         self.downloads = 0
 
     def schedule_round(self, seconds_to_start, tokens, metadata=None, group_size=None, pair_partners=None) -> None:
@@ -99,11 +101,13 @@ class ScriptedAverager:
     def cancel_scheduled_round(self) -> None:
         self.round_scheduled = False
 
-    def start_round(self, pseudo_gradient, tokens, metadata=None, group_size=None, pair_partners=None) -> ScriptedRound:
+    def start_round(self, pseudo_gradient, tokens, metadata=None, group_size=None, pair_partners=None,
+                    residual_carry=None) -> ScriptedRound:
         assert tokens > 0
         self.round_scheduled = False
         self.started.append(([t.clone() for t in pseudo_gradient], metadata))
         self.pair_partners.append(pair_partners)
+        self.residual_carries.append(residual_carry)
         return self.rounds(len(self.started), pseudo_gradient, metadata)
 
     def load_state_from_peers(self, wait=True, timeout=None, prefer=None, prefer_donors=()):
@@ -328,7 +332,8 @@ def test_opening_rounds_are_short_waited_for_and_applied_without_momentum(corpus
     """A run with two opening rounds of 2 steps: each ends after 2 steps, its average (done only at the third
     poll) is applied before the next step, at the run's opening lr and without outer momentum; the rounds after
     them are H steps long and asynchronous, at the outer lr with momentum, and the learning-rate schedule counts the
-    opening rounds' steps."""
+    opening rounds' steps. The residual going into an opening round is carried whole; the others as the averager
+    carries it."""
     clock = QuietClock(opening_rounds=2, opening_inner_steps=2)
 
     def partner_done_with(epoch: int) -> None:  # another peer online, as fast as this one
@@ -358,6 +363,7 @@ def test_opening_rounds_are_short_waited_for_and_applied_without_momentum(corpus
         expected.step(average, plain=number < 2)
     assert_same(peer.outer.weights, expected.weights)
     assert peer.clock.schedule_step(0, 3, 0) == 2 + 2 + H  # round 3 begins at step 8 of the schedule
+    assert peer.averager.residual_carries == [OPENING_RESIDUAL_CARRY, None, None]
 
 
 def test_a_peer_alone_takes_its_opening_rounds_as_they_are_without_looking_for_a_group(corpus, tmp_path, caplog):
