@@ -406,7 +406,8 @@ class SwarmAverager(AveragerBase):
       that it adds to its next round's (1.0: plain error feedback; None: nothing kept). 0.5 ended level with
       no feedback from a cold start, where full feedback cost 1-3 points of validation loss, and ahead of both
       later in a run (benchmarks/RESULTS.md). Where no reducer averaged, the residual is left as before the
-      round (the update stays in the peer's weights: `RoundOutcome.lost`).
+      round (the update stays in the peer's weights: `RoundOutcome.lost`). `start_round` may set another share
+      for one round.
     :param reducer_error_feedback: full error feedback for the averages this peer sends back for its span. Off by
       default: on a small DiLoCo problem it cost +22% validation loss, while sender-only feedback with a plain
       1-bit return trip stayed within 1% of uncompressed averaging (benchmarks/RESULTS.md)
