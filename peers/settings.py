@@ -29,8 +29,8 @@ DEFAULT_OPENING_OUTER_LR = 1.5
 # corpora and level later in a run; without them it gained nothing (benchmarks/RESULTS.md, "Opening rounds").
 OPENING_OUTER_LR_PEAK_RATIO = 1.5
 # A sender's residual going into an opening round is carried whole, whatever --error-feedback's share (unless off):
-# 60 opening rounds read 0.37 points closer to one process from a cold start than at damped's 0.5, on every seed of
-# three, and 1.4 closer than with none on one (benchmarks/RESULTS.md, "Opening rounds").
+# 60 opening rounds read 0.28 points closer to one process from a cold start than at damped's 0.5, on four seeds of
+# five, and 1.4 closer than with none on one (benchmarks/RESULTS.md, "Opening rounds").
 OPENING_RESIDUAL_CARRY = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.7
 # The share of its 1-bit residual a peer carries into its next round, per --error-feedback (None: no residual).
