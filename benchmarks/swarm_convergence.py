@@ -54,7 +54,7 @@ from tscale_p2p.peers.codec import CODECS
 from tscale_p2p.peers.join import initial_weights
 from tscale_p2p.peers.settings import (DEFAULT_CODEC, DEFAULT_OPENING_OUTER_LR, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,
                                        ERROR_FEEDBACK_CARRY, OPENING_OUTER_LR_PEAK_RATIO,
-                                       OPENING_RESIDUAL_CARRY)
+                                       OPENING_RESIDUAL_CARRY, default_outer_lr_peak)
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
 from tscale_p2p.peers.run_config import RunConfig
 from tscale_p2p.trainer import Trainer
@@ -85,7 +85,7 @@ def outer_lr_peak(args) -> float | None:
     the outer lr; without them none)."""
     if args.outer_lr_peak is not None:
         return args.outer_lr_peak
-    return OPENING_OUTER_LR_PEAK_RATIO * args.outer_lr if args.first_rounds_plain and args.first_rounds else None
+    return default_outer_lr_peak(args.outer_lr, len(args.first_rounds) if args.first_rounds_plain else 0)
 
 
 def outer_lr_label(args) -> str:
@@ -241,7 +241,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
     peak = outer_lr_peak(args)
     falling = None if peak is None else dataclasses.replace(run_config(args), outer_lr_peak=peak)
     for round_number, (start, steps) in enumerate(round_lengths(args.steps, args.inner_steps, args.first_rounds)):
-        deltas = []
+        deltas, opening = [], args.first_rounds_plain and round_number < len(args.first_rounds)
         for trainer, bookkeeping in zip(peers, rounds):
             for step in range(steps + 1):
                 if previous is not None and step == min(0 if plain else delay, steps):
@@ -251,7 +251,6 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                     trainer.local_step()
             deltas.append(bookkeeping.finish_round(trainer.snapshot()))
         if up == "damped-ef":
-            opening = args.first_rounds_plain and round_number < len(args.first_rounds)
             carry = getattr(args, "opening_carry", OPENING_RESIDUAL_CARRY) if opening else None  # join's, by default
             for residual in residuals[:-1]:
                 for tensor in residual.values():
@@ -266,7 +265,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                                           len(peers), up in ("ef", "damped-ef"))
             deltas = coded
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
-        plain = args.first_rounds_plain and round_number < len(args.first_rounds)
+        plain = opening
         if falling is not None:  # join --outer-lr-peak: the outer lr where the inner schedule ended the round
             for outer in outers:
                 outer.set_lr(falling.outer_lr_at(peers[0].lr_at(peers[0].step) / peers[0].cfg.lr))

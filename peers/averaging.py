@@ -463,7 +463,7 @@ class SwarmAverager(AveragerBase):
         self._flat = torch.zeros(sum(sizes)).share_memory_()  # pseudo-gradient in, average out
         self._sender_residual = torch.zeros_like(self._flat).share_memory_()
         # The share of the residual the round in flight carries into the next (`start_round`'s residual_carry)
-        self._round_carry = torch.tensor(residual_carry if residual_carry is not None else 0.0).share_memory_()
+        self._round_carry = torch.zeros(()).share_memory_()
         self._reducer_residual = torch.zeros_like(self._flat).share_memory_()
         self._traffic = torch.zeros(4, dtype=torch.int64).share_memory_()  # bytes, values (sent, received)
         self._round_dropped = torch.zeros((), dtype=torch.int64).share_memory_()  # of the last all-reduce attempt

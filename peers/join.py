@@ -60,8 +60,8 @@ from tscale_p2p.peers.settings import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     ERROR_FEEDBACK_CARRY,
-    OPENING_OUTER_LR_PEAK_RATIO,
     SwarmSettings,
+    default_outer_lr_peak,
 )
 from tscale_p2p.peers.state_download import StateCheck, state_offer_record
 from tscale_p2p.peers.status import LocalStatus
@@ -323,8 +323,8 @@ def resolve_run(dht, cfg: TrainConfig, explicit: dict, options: JoinOptions, cor
             opening_rounds=swarm.opening_rounds or 0,
             opening_inner_steps=swarm.opening_inner_steps or DEFAULT_OPENING_INNER_STEPS,
             opening_outer_lr=swarm.opening_outer_lr or DEFAULT_OPENING_OUTER_LR,
-            outer_lr_peak=(swarm.outer_lr_peak if swarm.outer_lr_peak is not None or not swarm.opening_rounds
-                           else OPENING_OUTER_LR_PEAK_RATIO * outer_lr),
+            outer_lr_peak=(swarm.outer_lr_peak if swarm.outer_lr_peak is not None
+                           else default_outer_lr_peak(outer_lr, swarm.opening_rounds or 0)),
         )
         log.info("started run %r (config %s): model %s, %s, codec %s", options.run_id, run.hash[:12],
                  run.model_config.dims, rounds_text(run), run.codec)

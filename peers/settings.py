@@ -45,6 +45,12 @@ DEFAULT_ERROR_FEEDBACK = {"sign": "damped", "e8": "damped", "topk": "full"}
 DEFAULT_CODEC = "e8"
 
 
+def default_outer_lr_peak(outer_lr: float, opening_rounds: int) -> float | None:
+    """A new run's outer lr at the inner lr's peak where its founder gives no --outer-lr-peak (None: `outer_lr`
+    throughout): `OPENING_OUTER_LR_PEAK_RATIO` times it with opening rounds."""
+    return OPENING_OUTER_LR_PEAK_RATIO * outer_lr if opening_rounds else None
+
+
 @dataclass(config=SECTION_CONFIG)
 class SwarmSettings:
     """This peer in the swarm (a new run's settings are adopted by its joiners)."""

@@ -8,6 +8,7 @@ from tscale_p2p.config import TrainConfig
 from tscale_p2p.errors import UserError
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.run_config import RunConfig, check_run_id, load_saved_run_config, save_run_config
+from tscale_p2p.peers.settings import default_outer_lr_peak
 
 
 def founder_config(**train) -> RunConfig:
@@ -135,3 +136,8 @@ def test_an_outer_lr_that_falls_with_the_inner_one_is_a_run_setting_and_runs_wit
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(UserError, match="outer-lr-peak must be positive"):
             replace(plain, outer_lr_peak=bad)
+
+
+def test_a_new_run_with_opening_rounds_lets_its_outer_lr_fall_by_default():
+    assert default_outer_lr_peak(1.0, opening_rounds=60) == 1.5 and default_outer_lr_peak(2.0, opening_rounds=1) == 3.0
+    assert default_outer_lr_peak(1.0, opening_rounds=0) is None
