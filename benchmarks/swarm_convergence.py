@@ -166,22 +166,35 @@ def round_lengths(total: int, inner_steps: int, first_rounds: list[int]) -> list
     return rounds
 
 
+def span_slices(update: dict, span: int, spans: int):
+    """(name, a, b): the flat slices [a, b) of each tensor of `update` inside span `span` of `spans` equal spans
+    of the flat update (hivemind's butterfly cut)."""
+    total = sum(t.numel() for t in update.values())
+    lo, hi, offset = span * total // spans, (span + 1) * total // spans, 0
+    for name, tensor in update.items():
+        a, b = max(lo - offset, 0), min(hi - offset, tensor.numel())
+        if a < b:
+            yield name, a, b
+        offset += tensor.numel()
+
+
 def send_own_span_exactly(exact: dict, sent: dict, residual: dict, span: int, spans: int, feedback: bool) -> None:
     """As a reducer of span `span` (of `spans` equal spans of the flat update) a peer adds its own part there
     uncoded: `sent` gets what it owed there (the exact update, plus its residual with error feedback) and the
     residual keeps nothing of it."""
-    total = sum(t.numel() for t in exact.values())
-    lo, hi, offset = span * total // spans, (span + 1) * total // spans, 0
-    for name, tensor in exact.items():
-        a, b = max(lo - offset, 0), min(hi - offset, tensor.numel())
-        if a < b:
-            owed = sent[name].view(-1)[a:b]
-            if feedback:
-                owed.add_(residual[name].view(-1)[a:b])
-                residual[name].view(-1)[a:b] = 0
-            else:
-                owed.copy_(tensor.reshape(-1)[a:b])
-        offset += tensor.numel()
+    for name, a, b in span_slices(exact, span, spans):
+        owed = sent[name].view(-1)[a:b]
+        if feedback:
+            owed.add_(residual[name].view(-1)[a:b])
+            residual[name].view(-1)[a:b] = 0
+        else:
+            owed.copy_(exact[name].reshape(-1)[a:b])
+
+
+def add_on_span(into: dict, values: dict, span: int, spans: int) -> None:
+    """into += values on span `span` of `spans` equal spans of the flat update."""
+    for name, a, b in span_slices(into, span, spans):
+        into[name].view(-1)[a:b] += values[name].reshape(-1)[a:b]
 
 
 def bits_per_value(codec) -> tuple[float, float]:
@@ -209,7 +222,9 @@ VARIANTS = {
 # --apply-after-trips: a row's numeric settings -> the argument they override
 TRIP_FIELDS = {"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry",
                "up_error": "up_error", "down_error": "down_error", "opening_lr": "opening_outer_lr",
-               "lr_peak": "outer_lr_peak", "opening_carry": "opening_carry"}
+               "lr_peak": "outer_lr_peak", "opening_carry": "opening_carry", "opening_rcarry": "opening_reducer_carry",
+               "opening_rfold": "opening_reducer_fold", "opening_down_error": "opening_down_error",
+               "opening_up_error": "opening_up_error"}
 # --apply-after-trips: key -> (row label, TRIPS key)
 APPLY_AFTER_TRIPS = {
     "exact": ("exact mean", "exact"),
@@ -256,7 +271,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                 for tensor in residual.values():
                     tensor.mul_(args.carry if carry is None else carry)
         if up != "exact":
-            coded = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None, args.up_error)
+            up_error = getattr(args, "opening_up_error", args.up_error) if opening else args.up_error
+            coded = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None, up_error)
                       for n in d}
                      for d, residual in zip(deltas, residuals)]
             if getattr(args, "own", codec.own_part_exact):  # as SwarmAverager, unless the row says otherwise
@@ -271,11 +287,20 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                 outer.set_lr(falling.outer_lr_at(peers[0].lr_at(peers[0].step) / peers[0].cfg.lr))
         if down != "exact":
             reducer_carry = 1.0 if down == "ef" else getattr(args, "reducer_carry", None)
+            if opening and getattr(args, "opening_reducer_carry", None) is not None:
+                reducer_carry = args.opening_reducer_carry
             if reducer_carry is not None:  # one residual for the whole model: as if each span kept its reducer
                 for tensor in residuals[-1].values():
                     tensor.mul_(reducer_carry)
+            exact_mean = previous
+            down_error = getattr(args, "opening_down_error", args.down_error) if opening else args.down_error
             previous = {n: carried(codec.return_trip, m, residuals[-1][n] if reducer_carry is not None else None,
-                                   args.down_error) for n, m in previous.items()}
+                                   down_error) for n, m in previous.items()}
+            fold = getattr(args, "opening_reducer_fold", None) if opening else None
+            if fold:  # each reducer owes its span's return-trip error: into its own next update, x the group
+                error = {n: (exact_mean[n] - previous[n]) * (fold * len(peers)) for n in previous}
+                for i, residual in enumerate(residuals[:-1]):
+                    add_on_span(residual, error, (i + round_number) % len(peers), len(peers))
         if on_round is not None and on_round(start + steps, copy.deepcopy(outers[0]).step(previous, plain=plain)):
             break
     outers[0].step(previous, plain=plain)  # the last average arrives after training: apply it
@@ -367,10 +392,13 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 
 def trip_spec(spec: str) -> tuple[str, str, dict]:
     """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]
-    [;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X][;opening_carry=X]` (rcarry: a reducer residual on the
-    return trip, damped by X each round; up_error, down_error: the trip's code error scaled by X, see `carried`;
-    opening_lr: the plain step's lr in --first-rounds-plain rounds, as --opening-outer-lr; lr_peak: join's
-    --outer-lr-peak; opening_carry: damped-ef's carry into those rounds, join's by default):
+    [;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X][;opening_carry=X][;opening_rcarry=X][;opening_rfold=X]
+    [;opening_up_error=X][;opening_down_error=X]` (rcarry: a reducer residual on the return trip, damped by X each
+    round; up_error, down_error: the trip's code error scaled by X, see `carried`; opening_lr: the plain step's lr in
+    --first-rounds-plain rounds, as --opening-outer-lr; lr_peak: join's --outer-lr-peak; opening_carry: damped-ef's
+    carry into those rounds, join's by default; opening_rcarry, opening_up_error, opening_down_error: rcarry,
+    up_error, down_error for those rounds alone; opening_rfold: in those rounds each reducer adds X x the group size
+    x its span's return-trip error to its own sender residual):
     (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
