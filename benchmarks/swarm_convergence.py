@@ -257,6 +257,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
     falling = None if peak is None else dataclasses.replace(run_config(args), outer_lr_peak=peak)
     for round_number, (start, steps) in enumerate(round_lengths(args.steps, args.inner_steps, args.first_rounds)):
         deltas, opening = [], args.first_rounds_plain and round_number < len(args.first_rounds)
+        reduced = [(i + round_number) % len(peers) for i in range(len(peers))]  # the span each peer reduces
         for trainer, bookkeeping in zip(peers, rounds):
             for step in range(steps + 1):
                 if previous is not None and step == min(0 if plain else delay, steps):
@@ -276,9 +277,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                       for n in d}
                      for d, residual in zip(deltas, residuals)]
             if getattr(args, "own", codec.own_part_exact):  # as SwarmAverager, unless the row says otherwise
-                for i, (exact, sent, residual) in enumerate(zip(deltas, coded, residuals)):
-                    send_own_span_exactly(exact, sent, residual, (i + round_number) % len(peers),
-                                          len(peers), up in ("ef", "damped-ef"))
+                for exact, sent, residual, span in zip(deltas, coded, residuals, reduced):
+                    send_own_span_exactly(exact, sent, residual, span, len(peers), up in ("ef", "damped-ef"))
             deltas = coded
         previous = {n: torch.stack([d[n] for d in deltas]).mean(0) for n in deltas[0]}
         plain = opening
@@ -292,15 +292,15 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
             if reducer_carry is not None:  # one residual for the whole model: as if each span kept its reducer
                 for tensor in residuals[-1].values():
                     tensor.mul_(reducer_carry)
-            exact_mean = previous
+            exact_mean = previous  # as the reducers see it, for opening_rfold
             down_error = getattr(args, "opening_down_error", args.down_error) if opening else args.down_error
             previous = {n: carried(codec.return_trip, m, residuals[-1][n] if reducer_carry is not None else None,
                                    down_error) for n, m in previous.items()}
             fold = getattr(args, "opening_reducer_fold", None) if opening else None
             if fold:  # each reducer owes its span's return-trip error: into its own next update, x the group
                 error = {n: (exact_mean[n] - previous[n]) * (fold * len(peers)) for n in previous}
-                for i, residual in enumerate(residuals[:-1]):
-                    add_on_span(residual, error, (i + round_number) % len(peers), len(peers))
+                for residual, span in zip(residuals, reduced):
+                    add_on_span(residual, error, span, len(peers))
         if on_round is not None and on_round(start + steps, copy.deepcopy(outers[0]).step(previous, plain=plain)):
             break
     outers[0].step(previous, plain=plain)  # the last average arrives after training: apply it
