@@ -39,7 +39,7 @@ DEFAULT_OUTER_MOMENTUM = 0.7
 ERROR_FEEDBACK_CARRY = {"off": None, "damped": 0.5, "full": 1.0}
 # --error-feedback left out: per codec. A top-k message carries a few percent of the values, so without full
 # feedback most of an update would never be sent.
-DEFAULT_ERROR_FEEDBACK = {"sign": "damped", "e8": "damped", "topk": "full"}
+DEFAULT_ERROR_FEEDBACK = {"sign": "damped", "e8": "damped", "e8s": "damped", "topk": "full"}
 # E8 words take the sign code's bytes and lose less: ahead in 14 of 15 paired runs in process, from a run in progress
 # and cold (benchmarks/RESULTS.md, "Swarm codecs").
 DEFAULT_CODEC = "e8"
@@ -87,10 +87,11 @@ class SwarmSettings:
     averaging_timeout: float = option(
         30.0, "a round that finds no group in S seconds is applied alone (default: 30; with no other peer training, "
         "after two matchmaking windows)", metavar="S", gt=0)
-    codec: Literal["sign", "e8", "topk"] | None = option(
+    codec: Literal["sign", "e8", "e8s", "topk"] | None = option(
         None, "how averaging rounds compress updates (a new run's setting; joiners adopt the run's): sign (1 bit a "
-        "value), e8 (one of 256 directions per 8 values: the same bytes, less error) or topk (each 4096 values' 64 "
-        "largest out, 256 back; ~0.2 and ~0.8 bits a value) "
+        "value), e8 (one of 256 directions per 8 values: the same bytes, less error), e8s (e8 out; back, the same "
+        "bytes spent in up to 3 stages a block where the error is) or topk (each 4096 values' 64 largest out, 256 "
+        "back; ~0.2 and ~0.8 bits a value) "
         f"(default: {DEFAULT_CODEC})")
     error_feedback: Literal["off", "damped", "full"] | None = option(
         None, "what a compressed update could not carry: 'off' drops it, 'full' (the flag alone) adds it to the next "

@@ -24,7 +24,7 @@ import torch
 from attacks import StallingPeer
 from tscale_p2p.kernels.onebit import pack, unpack
 from tscale_p2p.peers.averaging import SwarmAverager, keep_tasks_until_done
-from tscale_p2p.peers.codec import BLOCK_SIZE, E8Codec, OneBitCodec, TopKCodec
+from tscale_p2p.peers.codec import BLOCK_SIZE, E8Codec, E8StagedReturnCodec, OneBitCodec, TopKCodec
 from tscale_p2p.peers.records import IdentityKey
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
@@ -125,6 +125,7 @@ def run_round(averagers, grads, tokens):
 # TopKCodec's chunks are 4096 values: parts of 4096 (512 bytes at hivemind's 1/32 estimate), 8 values kept a chunk
 # on the way out (4 levels) and 24 on the way back, so three senders' picks mostly fit and the trip is still lossy
 CODEC_CASES = {"sign": (lambda: OneBitCodec(), 256), "e8": (lambda: E8Codec(), 256),
+               "e8s": (lambda: E8StagedReturnCodec(), 256),
                "topk": (lambda: TopKCodec(k=8, return_k=24), 512)}
 
 
