@@ -7,7 +7,10 @@ own pseudo-gradient at each round's end; each round's pseudo-gradient (weights a
 at its end, all parameters in one flat vector) goes through the swarm's codec (signs
 and a mean-|x| scale per 256 values, peers/codec.py), and, for comparison, through the same codec after a
 randomized Hadamard rotation of each block (a common trick to make heavy-tailed blocks Gaussian before sign
-quantization), and through `--codec e8` (E8Codec: one of 256 directions per 8 rotated values, the same bytes).
+quantization), through `--codec e8` (E8Codec: one of 256 directions per 8 rotated values, the same bytes) and
+through `--codec e8s`'s return trip (E8StagesCodec: E8 words in 0-3 stages a block, where the error is, 2 bits a
+block more; here over the whole vector, in the swarm over each part of a span), at its weighting and at 0 (least
+squares).
 Printed per round: the vector's kurtosis (3 for a Gaussian), its cosine with the previous round's (how much coding
 a round against the last one could save), and for each code the relative L2 error |q - x| / |x| and the cosine
 between q and x. For Gaussian blocks, sign times mean |x| has relative error sqrt(1 - 2/pi) = 0.603 (cosine
@@ -25,7 +28,7 @@ from swarm_convergence import trainer_for
 from swarm_return_trip import onebit
 from tscale_p2p.peers.settings import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 from tscale_p2p.peers.outer import DelayedOuterStep, OuterOptimizer
-from tscale_p2p.peers.codec import BLOCK_SIZE, E8Codec, walsh_hadamard
+from tscale_p2p.peers.codec import BLOCK_SIZE, E8Codec, E8StagesCodec, walsh_hadamard
 
 GAUSSIAN_LIMIT = math.sqrt(1 - 2 / math.pi)
 
@@ -62,8 +65,9 @@ def main() -> None:
     trainer = trainer_for(settings, args.batch_size, seed=1)
     rounds = DelayedOuterStep(OuterOptimizer(trainer.snapshot(), DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM))
     print("| round | kurtosis | cosine with the last round's | codec: rel. error | codec: cosine | rotated: rel. error "
-          "| rotated: cosine | e8: rel. error | e8: cosine |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| rotated: cosine | e8: rel. error | e8: cosine | e8 stages: rel. error | e8 stages: cosine "
+          "| e8 stages, least squares: rel. error | least squares: cosine |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     previous = None
     for number in range(1, args.rounds + 1):
         for _ in range(args.inner_steps):
@@ -74,10 +78,12 @@ def main() -> None:
         centred = x - x.mean()
         kurtosis = float((centred**4).mean() / (centred**2).mean() ** 2)
         plain, rotated = errors(onebit(x, None), x), errors(rotated_onebit(x), x)
-        e8 = errors(E8Codec().carried(x), x)
+        e8, stages = errors(E8Codec().carried(x), x), errors(E8StagesCodec().carried(x), x)
+        squares = errors(E8StagesCodec(weighting=0.0).carried(x), x)
         last = "" if previous is None else f"{errors(previous, x)[1]:.3f}"
         print(f"| {number} | {kurtosis:.1f} | {last} | {plain[0]:.3f} | {plain[1]:.3f} | {rotated[0]:.3f} "
-              f"| {rotated[1]:.3f} | {e8[0]:.3f} | {e8[1]:.3f} |", flush=True)
+              f"| {rotated[1]:.3f} | {e8[0]:.3f} | {e8[1]:.3f} | {stages[0]:.3f} | {stages[1]:.3f} | {squares[0]:.3f} "
+              f"| {squares[1]:.3f} |", flush=True)
         previous = x
     print(f"Gaussian limit of sign x mean|x|: relative error {GAUSSIAN_LIMIT:.3f}, cosine {math.sqrt(2 / math.pi):.3f}")
 

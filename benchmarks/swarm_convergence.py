@@ -392,13 +392,14 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 
 def trip_spec(spec: str) -> tuple[str, str, dict]:
     """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]
-    [;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X][;opening_carry=X][;opening_rcarry=X][;opening_rfold=X]
-    [;opening_up_error=X][;opening_down_error=X]` (rcarry: a reducer residual on the return trip, damped by X each
-    round; up_error, down_error: the trip's code error scaled by X, see `carried`; opening_lr: the plain step's lr in
-    --first-rounds-plain rounds, as --opening-outer-lr; lr_peak: join's --outer-lr-peak; opening_carry: damped-ef's
-    carry into those rounds, join's by default; opening_rcarry, opening_up_error, opening_down_error: rcarry,
-    up_error, down_error for those rounds alone; opening_rfold: in those rounds each reducer adds X x the group size
-    x its span's return-trip error to its own sender residual):
+    [;stage_weighting=X][;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X][;opening_carry=X][;opening_rcarry=X]
+    [;opening_rfold=X][;opening_up_error=X][;opening_down_error=X]` (rcarry: a reducer residual on the return trip,
+    damped by X each round; stage_weighting: e8s's return trip's, see E8StagesCodec; up_error, down_error: the
+    trip's code error scaled by X, see `carried`; opening_lr: the plain step's lr in --first-rounds-plain rounds, as
+    --opening-outer-lr; lr_peak: join's --outer-lr-peak; opening_carry: damped-ef's carry into those rounds, join's
+    by default; opening_rcarry, opening_up_error, opening_down_error: rcarry, up_error, down_error for those rounds
+    alone; opening_rfold: in those rounds each reducer adds X x the group size x its span's return-trip error to
+    its own sender residual):
     (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
@@ -412,13 +413,15 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
         try:
             if field in ("k", "return_k", "levels"):  # TopKCodec's
                 overrides.setdefault("codec_options", {})[field] = int(value)
+            elif field == "stage_weighting":  # E8StagedReturnCodec's (e8s)
+                overrides.setdefault("codec_options", {})[field] = float(value)
             elif field == "own":  # own=0: each reducer codes its own part too, as SwarmAverager once did
                 overrides["own"] = bool(int(value))
             else:
                 overrides[TRIP_FIELDS[field]] = float(value)
         except (KeyError, ValueError):
-            raise ValueError(f"{spec!r}: {option!r} is not one of k=, return_k=, levels=, own=0|1, "
-                             f"{'=, '.join(TRIP_FIELDS)}= with a number") from None
+            raise ValueError(f"{spec!r}: {option!r} is not one of k=, return_k=, levels=, stage_weighting=, "
+                             f"own=0|1, {'=, '.join(TRIP_FIELDS)}= with a number") from None
     label = ", ".join([name, *(f"{k} {v}" for k, v in overrides.items())])
     return label, averaging, overrides
 

@@ -1,5 +1,6 @@
 """The swarm's codecs, as hivemind compressions: `OneBitCodec` (`--codec sign`) sends one sign bit per value plus
 one bf16 scale per block; `E8Codec` (`--codec e8`) sends, in the same bytes, one of 256 directions per 8 values;
+`E8StagesCodec` answers `--codec e8s`'s reductions in up to three stages of those a block, where the error is;
 `TopKCodec` (`--codec topk`) sends the largest values of each chunk (their docstrings).
 
 Wire format of one tensor (a `runtime_pb2.Tensor` whose `compression` is `ONEBIT_COMPRESSION_TYPE`):
@@ -226,19 +227,25 @@ class E8Codec(OneBitCodec):
 E8_STAGES_COMPRESSION_TYPE = 67
 E8_STAGES_COMPRESSION_NAME = "E8_STAGES"
 MAX_STAGES = 3  # a block's stage count takes 2 bits
+# A stage's claim is the error it cuts over its block's energy to this power: 0 would cut the most error (least
+# squares) and starves quiet blocks, 1 gives every block one stage (E8 words). Measured in benchmarks/RESULTS.md.
+STAGE_WEIGHTING = 0.5
 _COUNTS_PER_BYTE = 4
 
 
 class E8StagesCodec(OneBitCodec):
     """E8 words in up to `MAX_STAGES` stages a block, each coding what the ones before left, with as many stages
-    in all as the tensor has full blocks (one a block on average): they go where they cut the error most.
+    in all as the tensor has full blocks (one a block on average), each given where the error it cuts, over its
+    block's energy to the power `weighting`, is largest.
 
-    Why: a swarm's update is far from even across blocks (their energies' arithmetic mean is 30-200x their
-    geometric mean: quiet tensors beside busy ones), and one stage everywhere spends as many bits on a quiet block
-    as on a busy one. Spent where the error is (reverse water-filling, greedily), the same bytes leave ~0.47 of
-    the reduced span's length instead of E8Codec's ~0.56 (benchmarks/RESULTS.md). It is a return-trip code only:
-    coding a decoded message again need not pick the same stages, which the sender's error-feedback books assume
-    (E8Codec), while a reducer encodes its answer once and keeps what it decodes to.
+    Why: the return trip's error lands on every peer's weights alike and holds the code's cost, and a swarm's
+    update is far from even across blocks (quiet tensors beside busy ones): one stage everywhere spends as many
+    bits on a still block as on a busy one. Stages where they cut most leave 0.49-0.54 of an update's length
+    against E8 words' 0.56. Given by the error they cut alone (least squares, `weighting` 0) they leave quiet
+    blocks none, round after round, and a cold start ended 0.42 points behind E8 words; weighted by energy^-0.5,
+    0.53 points ahead (every one of six seeds), and level from a run in progress (benchmarks/RESULTS.md). A
+    return-trip code only: coding a decoded message again need not pick the same stages, which the sender's
+    error-feedback books assume (E8Codec), while a reducer encodes its answer once and keeps what it decodes to.
 
     Wire format: ``block_size (uint32) | stage counts (2 bits a full block, 4 a byte, the first block in the low
     bits) | scales (bf16: the first stage of each block that has one, in block order, then the second stages', the
@@ -248,9 +255,9 @@ class E8StagesCodec(OneBitCodec):
 
     compression_type = E8_STAGES_COMPRESSION_TYPE
 
-    def __init__(self, block_size: int = BLOCK_SIZE):
+    def __init__(self, block_size: int = BLOCK_SIZE, weighting: float = STAGE_WEIGHTING):
         super().__init__(block_size)
-        self._stage = E8Codec(block_size)
+        self._stage, self.weighting = E8Codec(block_size), weighting
 
     def _encode_stages(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed stage counts, scales, payload bytes) of the flattened `x`."""
@@ -268,7 +275,8 @@ class E8StagesCodec(OneBitCodec):
         errors = torch.stack(errors)
         # The `full` stages that cut the most error: a block's count is how many of its stages made the cut (a
         # later stage that did without an earlier one stands for it; rare, and it only loses a little).
-        picked = (errors[:-1] - errors[1:]).reshape(-1).topk(full, sorted=False).indices % max(full, 1)
+        claims = (errors[:-1] - errors[1:]) * errors[0].clamp_min(torch.finfo(torch.float32).tiny) ** -self.weighting
+        picked = claims.reshape(-1).topk(full, sorted=False).indices % max(full, 1)
         counts = torch.zeros(full, dtype=torch.long, device=flat.device).index_add_(0, picked, torch.ones_like(picked))
         words = torch.cat([w[counts > s].reshape(-1) for s, w in enumerate(stage_words)])
         scales = torch.cat([c[counts > s] for s, c in enumerate(stage_scales)])
@@ -360,11 +368,16 @@ class E8StagesCodec(OneBitCodec):
 
 class E8StagedReturnCodec(E8Codec):
     """`--codec e8s`: E8 words out (E8Codec), E8 words in stages back (E8StagesCodec), where one message reaches
-    every groupmate and its error lands on every peer's weights alike."""
+    every groupmate and its error lands on every peer's weights alike. `stage_weighting`: the return trip's
+    (E8StagesCodec's `weighting`; its encoder's choice alone, so peers need not agree on it)."""
+
+    def __init__(self, block_size: int = BLOCK_SIZE, stage_weighting: float = STAGE_WEIGHTING):
+        super().__init__(block_size)
+        self.stage_weighting = stage_weighting
 
     @property
     def return_trip(self) -> E8StagesCodec:
-        return E8StagesCodec(self.block_size)
+        return E8StagesCodec(self.block_size, self.stage_weighting)
 
 
 def _pack_counts(counts: torch.Tensor) -> torch.Tensor:
@@ -697,7 +710,8 @@ def _unpack_indices(raw: bytes, count: int) -> np.ndarray:
     return indices[:count]
 
 
-CODECS = {"sign": OneBitCodec, "e8": E8Codec, "e8s": E8StagedReturnCodec, "topk": TopKCodec}  # join --codec: name -> the codec, its defaults
+# join --codec: name -> the codec, its defaults
+CODECS = {"sign": OneBitCodec, "e8": E8Codec, "e8s": E8StagedReturnCodec, "topk": TopKCodec}
 SwarmCodec = OneBitCodec | TopKCodec
 
 

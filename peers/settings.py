@@ -41,8 +41,9 @@ ERROR_FEEDBACK_CARRY = {"off": None, "damped": 0.5, "full": 1.0}
 # feedback most of an update would never be sent.
 DEFAULT_ERROR_FEEDBACK = {"sign": "damped", "e8": "damped", "e8s": "damped", "topk": "full"}
 # E8 words take the sign code's bytes and lose less: ahead in 14 of 15 paired runs in process, from a run in progress
-# and cold (benchmarks/RESULTS.md, "Swarm codecs").
-DEFAULT_CODEC = "e8"
+# and cold; their return trip in stages (e8s) ahead of them cold on every seed and level from a run in progress
+# (benchmarks/RESULTS.md, "Swarm codecs").
+DEFAULT_CODEC = "e8s"
 
 
 def default_outer_lr_peak(outer_lr: float, opening_rounds: int) -> float | None:

@@ -103,7 +103,7 @@ def test_the_codec_is_a_run_setting_and_sign_runs_keep_the_hash_they_had_without
     record = sign.to_wire()
     assert "codec" not in record["config"]  # as a record published before runs chose a codec
     assert RunConfig.from_wire(record) == sign
-    with pytest.raises(UserError, match="codec must be one of sign, e8, topk, got 'gzip'"):
+    with pytest.raises(UserError, match="codec must be one of sign, e8, e8s, topk, got 'gzip'"):
         replace(sign, codec="gzip")
 
 
