@@ -89,15 +89,15 @@ def corrupt(message: runtime_pb2.Tensor, **fields) -> runtime_pb2.Tensor:
     return bad
 
 
-def malformed_variants(codec: OneBitCodec = OneBitCodec()) -> dict[str, runtime_pb2.Tensor]:
+def malformed_variants(codec: OneBitCodec = OneBitCodec(), scales_at: int = 4) -> dict[str, runtime_pb2.Tensor]:
     """Messages of a 1000-value tensor broken in each way a peer could break one (for `codec`'s layout: a block
-    size header, then bf16 scales; E8Codec shares it)."""
+    size header, then bf16 scales from byte `scales_at`; E8Codec shares it, E8StagesCodec has its counts between)."""
     good = codec.compress(torch.randn(1000), info=None)
     buffer = good.buffer
 
     def first_scale(value: float) -> bytes:
         scale = torch.tensor([value], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
-        return buffer[:4] + scale + buffer[6:]
+        return buffer[:scales_at] + scale + buffer[scales_at + 2 :]
 
     return {
         "truncated": corrupt(good, buffer=buffer[:-1]),

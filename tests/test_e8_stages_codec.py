@@ -9,7 +9,7 @@ from hivemind.proto import runtime_pb2
 from tscale_p2p.peers.codec import (
     BLOCK_SIZE, CODECS, E8_STAGES_COMPRESSION_TYPE, MAX_STAGES, E8Codec, E8StagesCodec, MalformedTensorError,
 )
-from test_codec import corrupt
+from test_codec import corrupt, malformed_variants
 
 SIZES = [0, 5, 256, 3 * 256, 10 * 256 + 77]  # nothing, a short block alone, whole blocks, whole blocks and a tail
 
@@ -93,21 +93,9 @@ def malformed_stage_messages() -> dict[str, runtime_pb2.Tensor]:
     buffer = good.buffer
     header, counts = buffer[:4], buffer[4]
     stages = sum((counts >> (2 * i)) & 3 for i in range(3))
-
-    def first_scale(value: float) -> bytes:
-        return buffer[:5] + torch.tensor([value], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes() + buffer[7:]
-
     more = bytes([0b111111]) + buffer[5:] + bytes(34 * (9 - stages))  # 9 stages for 3 blocks, bytes to match
     return {
-        "truncated": corrupt(good, buffer=buffer[:-1]),
-        "too long": corrupt(good, buffer=buffer + b"\0"),
-        "shape lie": corrupt(good, size=[1001]),
-        "nan scale": corrupt(good, buffer=first_scale(float("nan"))),
-        "inf scale": corrupt(good, buffer=first_scale(float("inf"))),
-        "negative scale": corrupt(good, buffer=first_scale(-1.0)),
-        "block size 3": corrupt(good, buffer=(3).to_bytes(4, "little") + buffer[4:]),
-        "int dtype": corrupt(good, dtype="int64"),
-        "no header": corrupt(good, buffer=b"\1"),
+        **malformed_variants(E8StagesCodec(), scales_at=5),
         "no counts": corrupt(good, buffer=header),
         "count padding set": corrupt(good, buffer=header + bytes([counts | 0b11000000]) + buffer[5:]),
         "more stages than blocks": corrupt(good, buffer=header + more),
