@@ -4,7 +4,8 @@
 
 Each codec encodes a vector of 2^size Gaussian values (`compress`, what a sender and a reducer do with each part)
 and decodes it (`extract`, what a reducer and every receiver do); the best of `--repeats` runs. The sign code
-is one pass of a fused kernel; E8 words also rotate each block and match every 8 values against 256 words.
+is one pass of a fused kernel; E8 words also rotate each block and match every 8 values against 256 words. A
+codec whose reducers answer in a code of their own (topk, e8s) gets a row for that too.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ def main() -> None:
         x = torch.randn(2**log_size, generator=torch.Generator().manual_seed(0))
         rates = {}
         for name, make in CODECS.items():
-            codec = make()
-            message = codec.compress(x, None)
-            encode = best_seconds(lambda: codec.compress(x, None), args.repeats)
-            decode = best_seconds(lambda: codec.extract(message), args.repeats)
-            rates[name] = (x.numel() / encode / 1e6, x.numel() / decode / 1e6)
+            trip_out = make()
+            # a reducer's answer, where it has a code of its own (top-k's denser one, e8s's stages)
+            back = [] if trip_out.return_trip is trip_out else [(f"{name} (return trip)", trip_out.return_trip)]
+            for label, codec in [(name, trip_out), *back]:
+                message = codec.compress(x, None)
+                encode = best_seconds(lambda: codec.compress(x, None), args.repeats)
+                decode = best_seconds(lambda: codec.extract(message), args.repeats)
+                rates[label] = (x.numel() / encode / 1e6, x.numel() / decode / 1e6)
         for name, (encode, decode) in rates.items():
             sign_encode, sign_decode = rates["sign"]
             print(f"| {name} | 2^{log_size} | {encode:.0f} | {decode:.0f} | {encode / sign_encode:.2f}x "
