@@ -422,6 +422,10 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
         except (KeyError, ValueError):
             raise ValueError(f"{spec!r}: {option!r} is not one of k=, return_k=, levels=, stage_weighting=, "
                              f"own=0|1, {'=, '.join(TRIP_FIELDS)}= with a number") from None
+    try:  # k=, return_k=, levels= belong to topk, stage_weighting= to e8s: refused here, not in a row's worker
+        CODECS[codec or DEFAULT_CODEC](**overrides.get("codec_options", {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{spec!r}: not settings of codec {codec or DEFAULT_CODEC}: {e}") from None
     label = ", ".join([name, *(f"{k} {v}" for k, v in overrides.items())])
     return label, averaging, overrides
 

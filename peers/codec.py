@@ -243,7 +243,7 @@ class E8StagesCodec(OneBitCodec):
     bits on a still block as on a busy one. Stages where they cut most leave 0.49-0.54 of an update's length
     against E8 words' 0.56. Given by the error they cut alone (least squares, `weighting` 0) they leave quiet
     blocks none, round after round, and a cold start ended 0.42 points behind E8 words; weighted by energy^-0.5,
-    0.53 points ahead (every one of six seeds), and level from a run in progress (benchmarks/RESULTS.md). A
+    0.65 points ahead (every one of eight seeds), and level from a run in progress (benchmarks/RESULTS.md). A
     return-trip code only: coding a decoded message again need not pick the same stages, which the sender's
     error-feedback books assume (E8Codec), while a reducer encodes its answer once and keeps what it decodes to.
 
@@ -260,7 +260,7 @@ class E8StagesCodec(OneBitCodec):
         self._stage, self.weighting = E8Codec(block_size), weighting
 
     def _encode_stages(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(packed stage counts, scales, payload bytes) of the flattened `x`."""
+        """(stage count of each full block, scales, payload bytes) of the flattened `x`."""
         flat, block = x.reshape(-1).float(), self.block_size
         full = flat.numel() // block
         body = flat[: full * block]
@@ -273,7 +273,7 @@ class E8StagesCodec(OneBitCodec):
             stage_scales.append(scales)
             errors.append(left.view(full, block).square().sum(dim=1))
         errors = torch.stack(errors)
-        # The `full` stages that cut the most error: a block's count is how many of its stages made the cut (a
+        # The `full` stages with the largest claims: a block's count is how many of its stages made the cut (a
         # later stage that did without an earlier one stands for it; rare, and it only loses a little).
         claims = (errors[:-1] - errors[1:]) * errors[0].clamp_min(torch.finfo(torch.float32).tiny) ** -self.weighting
         picked = claims.reshape(-1).topk(full, sorted=False).indices % max(full, 1)
@@ -284,11 +284,11 @@ class E8StagesCodec(OneBitCodec):
         if tail.numel():
             tail_signs, tail_scale = pack(tail, block)
             words, scales = torch.cat([words, tail_signs]), torch.cat([scales, tail_scale])
-        return _pack_counts(counts), scales, words
+        return counts, scales, words
 
     def _decode_stages(self, counts: torch.Tensor, scales: torch.Tensor, payload: torch.Tensor,
                        numel: int) -> torch.Tensor:
-        """The flat fp32 vector that `_encode_stages` describes (`counts` unpacked)."""
+        """The flat fp32 vector that `_encode_stages` describes."""
         block = self.block_size
         full = numel // block
         values = torch.zeros(numel, device=payload.device)
@@ -297,8 +297,8 @@ class E8StagesCodec(OneBitCodec):
         for stage in range(MAX_STAGES):
             blocks = (counts > stage).nonzero()[:, 0]
             words = payload[used * block // _WORD : (used + blocks.numel()) * block // _WORD]
-            stage = self._stage._decode(words, scales[used : used + blocks.numel()], blocks.numel() * block)
-            body.index_add_(0, blocks, stage.view(-1, block))
+            decoded = self._stage._decode(words, scales[used : used + blocks.numel()], blocks.numel() * block)
+            body.index_add_(0, blocks, decoded.view(-1, block))
             used += blocks.numel()
         tail = numel - full * block
         if tail:
@@ -309,9 +309,7 @@ class E8StagesCodec(OneBitCodec):
         flat = tensor.detach().reshape(-1).float()
         if residual is not None:
             flat = flat + residual
-        counts, scales, words = self._encode_stages(flat)
-        values = self._decode_stages(_unpack_counts(counts, flat.numel() // self.block_size), scales, words,
-                                     flat.numel())
+        values = self._decode_stages(*self._encode_stages(flat), flat.numel())
         if residual is not None:
             torch.sub(flat, values, out=residual)
         return values.view(tensor.shape)
@@ -321,7 +319,7 @@ class E8StagesCodec(OneBitCodec):
         counts, scales, words = self._encode_stages(tensor.detach())
         buffer = b"".join((
             np.asarray(self.block_size, dtype=_HEADER).tobytes(),
-            counts.cpu().numpy().tobytes(),
+            _pack_counts(counts).cpu().numpy().tobytes(),
             scales.cpu().view(torch.int16).numpy().tobytes(),
             words.cpu().numpy().tobytes(),
         ))
