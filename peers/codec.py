@@ -175,13 +175,7 @@ class E8Codec(OneBitCodec):
     compression_type = E8_COMPRESSION_TYPE
 
     def carried(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        flat = tensor.detach().reshape(-1).float()
-        if residual is not None:
-            flat = flat + residual
-        values = self._decode(*self._encode(flat), flat.numel())
-        if residual is not None:
-            torch.sub(flat, values, out=residual)
-        return values.view(tensor.shape)
+        return _carried(lambda flat: self._decode(*self._encode(flat), flat.numel()), tensor, residual)
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat, block = x.reshape(-1).float(), self.block_size
@@ -306,13 +300,7 @@ class E8StagesCodec(OneBitCodec):
         return values
 
     def carried(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        flat = tensor.detach().reshape(-1).float()
-        if residual is not None:
-            flat = flat + residual
-        values = self._decode_stages(*self._encode_stages(flat), flat.numel())
-        if residual is not None:
-            torch.sub(flat, values, out=residual)
-        return values.view(tensor.shape)
+        return _carried(lambda flat: self._decode_stages(*self._encode_stages(flat), flat.numel()), tensor, residual)
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         _check_dtype(self, tensor)
@@ -469,6 +457,18 @@ def walsh_hadamard(rows: torch.Tensor) -> torch.Tensor:
     return values.reshape(count, length) * length**-0.5
 
 
+def _carried(round_trip, tensor: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """`round_trip(flat fp32)` (what a message decodes to) of `tensor` + `residual`, which then keeps the rest:
+    `carried` of the codecs whose encoding is not a fused error-feedback kernel."""
+    flat = tensor.detach().reshape(-1).float()
+    if residual is not None:
+        flat = flat + residual
+    values = round_trip(flat)
+    if residual is not None:
+        torch.sub(flat, values, out=residual)
+    return values.view(tensor.shape)
+
+
 def _check_dtype(codec: CompressionBase, tensor: torch.Tensor) -> None:
     if str(tensor.dtype).replace("torch.", "") not in _DECODABLE_DTYPES:
         raise ValueError(f"{type(codec).__name__} does not support {tensor.dtype} tensors")
@@ -532,13 +532,8 @@ class TopKCodec(CompressionBase):
         return TopKCodec(self.return_k, self.return_k, self.levels, self.chunk)
 
     def carried(self, tensor: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        flat = tensor.detach().reshape(-1).float()
-        if residual is not None:
-            flat = flat + residual
-        values = _topk_dense(_topk_select(flat, self.chunk, self.k, self.levels), flat.numel(), self.chunk)
-        if residual is not None:
-            torch.sub(flat, values, out=residual)
-        return values.view(tensor.shape)
+        return _carried(lambda flat: _topk_dense(_topk_select(flat, self.chunk, self.k, self.levels), flat.numel(),
+                                                 self.chunk), tensor, residual)
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         _check_dtype(self, tensor)
