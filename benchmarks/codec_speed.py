@@ -3,9 +3,11 @@
     python benchmarks/codec_speed.py [--threads 1] [--sizes 20,24]
 
 Each codec encodes a vector of 2^size Gaussian values (`compress`, what a sender and a reducer do with each part)
-and decodes it (`extract`, what a reducer and every receiver do); the best of `--repeats` runs. The sign code
-is one pass of a fused kernel; E8 words also rotate each block and match every 8 values against 256 words. A
-codec whose reducers answer in a code of their own (topk, e8s) gets a row for that too.
+and decodes it (`extract`, what a reducer and every receiver do); the best of `--repeats` runs. The values' scale
+changes from block to block (log-normal, an e-fold's spread), as a swarm's update does across a model's tensors:
+e8s's reducers code a second and third stage only where it could pay, so their speed follows that spread. The
+sign code is one pass of a fused kernel; E8 words also rotate each block and match every 8 values against 256
+words. A codec whose reducers answer in a code of their own (topk, e8s) gets a row for that too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 
 import torch
 
-from tscale_p2p.peers.codec import CODECS
+from tscale_p2p.peers.codec import BLOCK_SIZE, CODECS
 
 
 def best_seconds(work, repeats: int) -> float:
@@ -38,7 +40,9 @@ def main() -> None:
     print("| codec | values | encode M values/s | decode M values/s | encode vs sign | decode vs sign |")
     print("| --- | --- | --- | --- | --- | --- |")
     for log_size in (int(s) for s in args.sizes.split(",")):
-        x = torch.randn(2**log_size, generator=torch.Generator().manual_seed(0))
+        draws = torch.Generator().manual_seed(0)
+        scales = torch.randn(2**log_size // BLOCK_SIZE, generator=draws).exp().repeat_interleave(BLOCK_SIZE)
+        x = torch.randn(2**log_size, generator=draws) * scales
         rates = {}
         for name, make in CODECS.items():
             trip_out = make()

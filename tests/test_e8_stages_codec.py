@@ -7,7 +7,8 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 
 from tscale_p2p.peers.codec import (
-    BLOCK_SIZE, CODECS, E8_STAGES_COMPRESSION_TYPE, MAX_STAGES, E8Codec, E8StagesCodec, MalformedTensorError,
+    BLOCK_SIZE, CODECS, E8_STAGES_COMPRESSION_TYPE, MAX_STAGES, STAGE_WEIGHTING, E8Codec, E8StagesCodec,
+    MalformedTensorError,
 )
 from test_codec import corrupt, malformed_variants
 
@@ -69,6 +70,22 @@ def test_stages_go_to_loud_blocks_and_cut_the_error_at_e8s_bytes_and_two_bits_a_
     # Even blocks leave nothing to move: about E8 words' error
     even = torch.randn(64 * BLOCK_SIZE)
     assert float((stages.carried(even) - even).norm() / even.norm()) < 0.6
+
+
+def test_stages_are_the_largest_claims_among_every_stage_of_every_block():
+    """The encoder codes a later stage only where it could make the cut; it picks what coding all would."""
+    blocks, e8 = 300, E8Codec()
+    x = uneven(blocks * BLOCK_SIZE, seed=7)
+    left = x.view(blocks, BLOCK_SIZE)
+    errors = [left.square().sum(dim=1)]
+    for _ in range(MAX_STAGES):
+        left = left - e8.carried(left.reshape(-1)).view_as(left)
+        errors.append(left.square().sum(dim=1))
+    claims = (torch.stack(errors[:-1]) - torch.stack(errors[1:])) * errors[0] ** -STAGE_WEIGHTING
+    owners = claims.reshape(-1).topk(blocks).indices % blocks
+    expected = torch.zeros(blocks, dtype=torch.long).index_add_(0, owners, torch.ones_like(owners))
+    counts = torch.tensor(stage_counts(E8StagesCodec().compress(x, None), blocks))
+    assert torch.equal(counts, expected) and int((counts == MAX_STAGES).sum()) > 0
 
 
 def test_error_feedback_balances_the_books():
