@@ -60,7 +60,8 @@ class _LyingRunner(_OneBitAllReduceRunner):
                 yield signature_message(self._sign(span_digest(sent))) if self.sign_lies else message
                 return
             if factor != 1.0:
-                lie = self.codec.compress(self.codec.extract(message.tensor_part) * factor, info=None)
+                answers = self.codec.return_trip  # a reducer answers in the return trip's code (e8s: stages)
+                lie = answers.compress(answers.extract(message.tensor_part) * factor, info=None)
                 message = averaging_pb2.AveragingData(code=message.code, tensor_part=lie)
             sent.append(message.tensor_part.buffer)
             yield message

@@ -32,7 +32,7 @@ from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.averaging import SwarmAverager
 from tscale_p2p.peers.ban_notes import BanNotes
-from tscale_p2p.peers.codec import E8Codec, OneBitCodec
+from tscale_p2p.peers.codec import E8Codec, E8StagedReturnCodec, OneBitCodec
 from tscale_p2p.peers.reputation import COLLUDING, CORROBORATED, EXCUSE_EVERY, Excused, PeerReputation
 from tscale_p2p.peers.robust import centered_clip, coordinate_median, robust_aggregate
 from tscale_p2p.trainer import Trainer
@@ -625,8 +625,10 @@ def test_the_peer_an_unsigned_two_faced_reducer_lied_to_skips_it_at_once_after_b
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("liar_kind", [TwoFacedReducer, LyingReducer], ids=["two_faced", "minus_50x_to_both"])
-def test_a_reducer_signing_two_different_averages_is_proven_a_liar_and_banned_by_both(liar_kind):
+@pytest.mark.parametrize("liar_kind, codec", [(TwoFacedReducer, OneBitCodec), (LyingReducer, OneBitCodec),
+                                               (LyingReducer, E8StagedReturnCodec)],
+                         ids=["two_faced", "minus_50x_to_both", "minus_50x_to_both_in_e8_stages"])
+def test_a_reducer_signing_two_different_averages_is_proven_a_liar_and_banned_by_both(liar_kind, codec):
     """2 honest peers + a reducer that signs its lies. Two-faced (the truth to one): in a group of three the peer
     told the truth cannot tell the liar from the groupmate that refused its average; signed spans settle it:
     each shows the other the average the reducer signed to it, both ban the reducer after one round, and nothing
@@ -635,7 +637,7 @@ def test_a_reducer_signing_two_different_averages_is_proven_a_liar_and_banned_by
     check, but a reducer's word alone recovers nothing (it reached one groupmate in time and not the other, and
     the two parted): both drop its span. Either way the two apply the same average."""
     kinds = [SwarmAverager] * 2 + [liar_kind]
-    with swarm([OneBitCodec() for _ in range(3)], averager_type=kinds, identities=True) as averagers:
+    with swarm([codec() for _ in range(3)], averager_type=kinds, identities=True) as averagers:
         honest, liar = averagers[:2], averagers[2]
         grads = grads_of_round(0, 3)
         outcomes = play(averagers, grads, [1000.0] * 3, group_size=3)[:2]
