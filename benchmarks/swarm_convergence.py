@@ -50,7 +50,7 @@ from tscale_p2p.checkpoint import resume_from
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
-from tscale_p2p.peers.codec import CODECS, E8StagesCodec
+from tscale_p2p.peers.codec import CODECS
 from tscale_p2p.peers.join import initial_weights
 from tscale_p2p.peers.settings import (DEFAULT_CODEC, DEFAULT_OPENING_OUTER_LR, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,
                                        ERROR_FEEDBACK_CARRY, OPENING_OUTER_LR_PEAK_RATIO,
@@ -153,29 +153,6 @@ def carried(codec, x: torch.Tensor, residual: torch.Tensor | None, error_scale: 
     owed = coded + residual.view_as(coded)  # the update plus the residual carried into this trip
     residual.mul_(error_scale)
     return owed - residual.view_as(coded)
-
-
-class FisherStages(E8StagesCodec):
-    """e8s's return trip whose stage claims are also weighted by the block's mean of `importance` ** `power`
-    (the peers' Adam second moments: what a unit of weight error costs the loss, to second order)."""
-
-    def __init__(self, base: E8StagesCodec, importance: torch.Tensor, power: float):
-        super().__init__(base.block_size, base.weighting)
-        self.importance, self.power = importance.reshape(-1).float(), power
-
-    def _block_weights(self, energy: torch.Tensor) -> torch.Tensor:
-        blocks = energy.numel()
-        mean = self.importance[: blocks * self.block_size].view(blocks, self.block_size).mean(dim=1)
-        return super()._block_weights(energy) * mean.clamp_min(torch.finfo(torch.float32).tiny) ** self.power
-
-
-def second_moments(peers: list, name: str) -> torch.Tensor:
-    """The mean over `peers` of AdamW's exp_avg_sq of parameter `name`."""
-    moments = []
-    for trainer in peers:
-        parameter = dict(trainer.model.named_parameters())[name]
-        moments.append(trainer.optimizer.state[parameter]["exp_avg_sq"].float())
-    return torch.stack(moments).mean(0)
 
 
 def round_lengths(total: int, inner_steps: int, first_rounds: list[int]) -> list[tuple[int, int]]:
@@ -317,10 +294,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                     tensor.mul_(reducer_carry)
             exact_mean = previous  # as the reducers see it, for opening_rfold
             down_error = getattr(args, "opening_down_error", args.down_error) if opening else args.down_error
-            back = {n: codec.return_trip for n in previous}
-            if getattr(args, "fisher", None) is not None:
-                back = {n: FisherStages(codec.return_trip, second_moments(peers, n), args.fisher) for n in previous}
-            previous = {n: carried(back[n], m, residuals[-1][n] if reducer_carry is not None else None,
+            previous = {n: carried(codec.return_trip, m, residuals[-1][n] if reducer_carry is not None else None,
                                    down_error) for n, m in previous.items()}
             fold = getattr(args, "opening_reducer_fold", None) if opening else None
             if fold:  # each reducer owes its span's return-trip error: into its own next update, x the group
@@ -441,14 +415,12 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
                 overrides.setdefault("codec_options", {})[field] = int(value)
             elif field == "stage_weighting":  # E8StagedReturnCodec's (e8s)
                 overrides.setdefault("codec_options", {})[field] = float(value)
-            elif field == "fisher":  # e8s: each return-trip stage's claim x its block's mean Adam v ** X
-                overrides["fisher"] = float(value)
             elif field == "own":  # own=0: each reducer codes its own part too, as SwarmAverager once did
                 overrides["own"] = bool(int(value))
             else:
                 overrides[TRIP_FIELDS[field]] = float(value)
         except (KeyError, ValueError):
-            raise ValueError(f"{spec!r}: {option!r} is not one of k=, return_k=, levels=, stage_weighting=, fisher=, "
+            raise ValueError(f"{spec!r}: {option!r} is not one of k=, return_k=, levels=, stage_weighting=, "
                              f"own=0|1, {'=, '.join(TRIP_FIELDS)}= with a number") from None
     try:  # k=, return_k=, levels= belong to topk, stage_weighting= to e8s: refused here, not in a row's worker
         CODECS[codec or DEFAULT_CODEC](**overrides.get("codec_options", {}))

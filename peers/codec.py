@@ -271,7 +271,7 @@ class E8StagesCodec(OneBitCodec):
         full = flat.numel() // block
         body = flat[: full * block].view(full, block)
         energy = body.square().sum(dim=1)
-        weight = self._block_weights(energy)
+        weight = energy.clamp_min(torch.finfo(torch.float32).tiny) ** -self.weighting
         stages = [self._stage_of(torch.arange(full, device=flat.device), body, energy, weight)]
         while len(stages) < MAX_STAGES and full:
             stages.append(self._next_stage(stages, full, weight))
@@ -288,10 +288,6 @@ class E8StagesCodec(OneBitCodec):
             tail_signs, tail_scale = pack(tail, block)
             words, scales = torch.cat([words, tail_signs]), torch.cat([scales, tail_scale])
         return counts, scales, words
-
-    def _block_weights(self, energy: torch.Tensor) -> torch.Tensor:
-        """What a unit of error cut is worth in each block."""
-        return energy.clamp_min(torch.finfo(torch.float32).tiny) ** -self.weighting
 
     def _stage_of(self, blocks: torch.Tensor, left: torch.Tensor, error: torch.Tensor,
                   weight: torch.Tensor) -> "_Stage":
