@@ -290,7 +290,7 @@ class E8StagesCodec(OneBitCodec):
         return counts, scales, words
 
     def _stage_of(self, blocks: torch.Tensor, left: torch.Tensor, error: torch.Tensor,
-                  weight: torch.Tensor) -> "_Stage":
+                  weight: torch.Tensor) -> _Stage:
         """One more stage of E8 words for `blocks`, whose rows of `left` (squared sums `error`) are still uncoded."""
         words, scales = self._stage._encode(left.reshape(-1))
         left = left - self._stage._decode(words, scales, left.numel()).view(left.shape)
@@ -298,7 +298,7 @@ class E8StagesCodec(OneBitCodec):
         words = words.view(len(blocks), left.shape[1] // _WORD)
         return _Stage(blocks, words, scales, left, after, (error - after) * weight[blocks])
 
-    def _next_stage(self, stages: list["_Stage"], full: int, weight: torch.Tensor) -> "_Stage":
+    def _next_stage(self, stages: list[_Stage], full: int, weight: torch.Tensor) -> _Stage:
         """The next stage of the blocks whose next stage could make the cut, coded in order of the most it could
         claim (all the error left, weighted), in batches that double, until that falls below the `full`-th largest
         claim so far, which the cut cannot be below. The same picks as coding it for every block at half the work on
