@@ -326,6 +326,7 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], b
         "--inner-steps", str(args.inner_steps), "--outer-lr", str(args.outer_lr),
         "--outer-momentum", str(args.outer_momentum), "--eval-batches", str(args.eval_batches),
         "--min-peers", str(args.peers), "--error-feedback", args.error_feedback, "--codec", args.codec,
+        "--seed", str(SEED_STRIDE * args.seed),  # the run's initial weights: those of the in-process rows
         *opening_flags(args),
         *(["--outer-lr-peak", str(args.outer_lr_peak)] if args.outer_lr_peak is not None else []),
     ]
@@ -526,17 +527,14 @@ def main() -> None:
                              "in progress, as a swarm is after its first rounds), every row and swarm peer "
                              "starting from its weights, AdamW state and place in the schedule")
     parser.add_argument("--seed", type=int, default=0, help="a repeat of the same comparison with other random "
-                        "draws: the run's initial weights, the start state's and every in-process row's batches "
-                        "(the swarm's peers draw theirs from their peer ids)")
+                        "draws: the run's initial weights (the swarm's too: its founder's --seed), the start state's and "
+                        "every in-process row's batches (the swarm's peers draw theirs from their peer ids)")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     if args.from_step < 0:
         parser.error(f"--from-step must be >= 0, got {args.from_step}")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
-    if args.seed and not (args.skip_swarm or args.from_step):
-        parser.error(f"--seed {args.seed} needs --from-step or --skip-swarm: the swarm's peers would start from "
-                     "join's own initial weights, not the other rows'")
     try:
         args.peer_lrs = [float(x) for x in args.peer_lr.split(",")] if args.peer_lr else [args.lr]
     except ValueError:
