@@ -50,7 +50,7 @@ from tscale_p2p.checkpoint import resume_from
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
-from tscale_p2p.peers.codec import BLOCK_SIZE, CODECS, E8StagesCodec
+from tscale_p2p.peers.codec import CODECS
 from tscale_p2p.peers.join import initial_weights
 from tscale_p2p.peers.settings import (DEFAULT_CODEC, DEFAULT_OPENING_OUTER_LR, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,
                                        ERROR_FEEDBACK_CARRY, OPENING_OUTER_LR_PEAK_RATIO,
@@ -155,22 +155,6 @@ def carried(codec, x: torch.Tensor, residual: torch.Tensor | None, error_scale: 
     return owed - residual.view_as(coded)
 
 
-def flat_carried(codec, update: dict, residual: dict | None, error_scale: float = 1.0) -> dict:
-    """`carried` of the whole update as one flat vector (as hivemind's parts span tensors)."""
-    names = list(update)
-    flat = torch.cat([update[n].reshape(-1).float() for n in names])
-    res = None if residual is None else torch.cat([residual[n].reshape(-1) for n in names])
-    out = carried(codec, flat, res, error_scale)
-    result, offset = {}, 0
-    for n in names:
-        k = update[n].numel()
-        result[n] = out[offset: offset + k].view_as(update[n])
-        if residual is not None:
-            residual[n].view(-1).copy_(res[offset: offset + k])
-        offset += k
-    return result
-
-
 def round_lengths(total: int, inner_steps: int, first_rounds: list[int]) -> list[tuple[int, int]]:
     """(first step, steps) of each round: rounds of `first_rounds` steps first (shorter rounds where a cold start
     changes fastest), then rounds of `inner_steps`; the last one takes what is left."""
@@ -235,21 +219,6 @@ VARIANTS = {
     "no-ef-sync": ("1-bit both ways, no error feedback", "synchronous", "1-bit both ways, no error feedback"),
 }
 
-class GatherCodec(E8StagesCodec):
-    """A trial of all-gather in place of the butterfly (`up-only@e8g;flat=1`): each peer's whole update coded
-    once with error feedback, E8 stages on `stages` of its blocks by least squares, every peer averaging all the
-    decoded updates (the trip back exact: no reducer re-codes). At 4 peers `stages` 0.5 puts as many bytes on a
-    peer's uplink as join's butterfly (3 x 0.54 bits a value against 2 x 3/4 x 1.08)."""
-
-    own_part_exact = False  # every peer's own update is coded alike, so all average the same vectors
-
-    def __init__(self, weighting: float = 0.0, stages: float = 0.5):
-        super().__init__(BLOCK_SIZE, weighting, stages)
-
-
-ROW_CODECS = {**CODECS, "e8g": GatherCodec}  # --apply-after-trips KEY@CODEC
-
-
 # --apply-after-trips: a row's numeric settings -> the argument they override
 TRIP_FIELDS = {"carry": "carry", "momentum": "outer_momentum", "rcarry": "reducer_carry",
                "up_error": "up_error", "down_error": "down_error", "opening_lr": "opening_outer_lr",
@@ -277,7 +246,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
     up, down = TRIPS[averaging]
     args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr, "lr": peer_lr, "up_error": 1.0,
                                  "down_error": 1.0, **(overrides or {})})
-    codec = ROW_CODECS[args.codec](**getattr(args, "codec_options", {}))
+    codec = CODECS[args.codec](**getattr(args, "codec_options", {}))
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
     outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum, plain_lr=args.opening_outer_lr)
               for t in peers]  # identical copies
@@ -304,13 +273,9 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                     tensor.mul_(args.carry if carry is None else carry)
         if up != "exact":
             up_error = getattr(args, "opening_up_error", args.up_error) if opening else args.up_error
-            if getattr(args, "flat", False):
-                coded = [flat_carried(codec, d, residual if up in ("ef", "damped-ef") else None, up_error)
-                         for d, residual in zip(deltas, residuals)]
-            else:
-                coded = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None, up_error)
-                          for n in d}
-                         for d, residual in zip(deltas, residuals)]
+            coded = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None, up_error)
+                      for n in d}
+                     for d, residual in zip(deltas, residuals)]
             if getattr(args, "own", codec.own_part_exact):  # as SwarmAverager, unless the row says otherwise
                 for exact, sent, residual, span in zip(deltas, coded, residuals, reduced):
                     send_own_span_exactly(exact, sent, residual, span, len(peers), up in ("ef", "damped-ef"))
@@ -329,12 +294,8 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                     tensor.mul_(reducer_carry)
             exact_mean = previous  # as the reducers see it, for opening_rfold
             down_error = getattr(args, "opening_down_error", args.down_error) if opening else args.down_error
-            if getattr(args, "flat", False):
-                previous = flat_carried(codec.return_trip, previous,
-                                        residuals[-1] if reducer_carry is not None else None, down_error)
-            else:
-                previous = {n: carried(codec.return_trip, m, residuals[-1][n] if reducer_carry is not None else None,
-                                       down_error) for n, m in previous.items()}
+            previous = {n: carried(codec.return_trip, m, residuals[-1][n] if reducer_carry is not None else None,
+                                   down_error) for n, m in previous.items()}
             fold = getattr(args, "opening_reducer_fold", None) if opening else None
             if fold:  # each reducer owes its span's return-trip error: into its own next update, x the group
                 error = {n: (exact_mean[n] - previous[n]) * (fold * len(peers)) for n in previous}
@@ -432,21 +393,20 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 
 def trip_spec(spec: str) -> tuple[str, str, dict]:
     """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]
-    [;stage_weighting=X][;weighting=X][;stages=X][;flat=0|1][;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X]
-    [;opening_carry=X][;opening_rcarry=X][;opening_rfold=X][;opening_up_error=X][;opening_down_error=X]` (rcarry: a
-    reducer residual on the return trip, damped by X each round; stage_weighting: e8s's return trip's, see
-    E8StagesCodec; weighting, stages: e8g's, see GatherCodec; flat=1: each trip codes the whole update as one
-    vector, not tensor by tensor; up_error, down_error: the trip's code error scaled by X, see `carried`;
-    opening_lr: the plain step's lr in --first-rounds-plain rounds, as --opening-outer-lr; lr_peak: join's
-    --outer-lr-peak; opening_carry: damped-ef's carry into those rounds, join's by default; opening_rcarry,
-    opening_up_error, opening_down_error: rcarry, up_error, down_error for those rounds alone; opening_rfold: in
-    those rounds each reducer adds X x the group size x its span's return-trip error to its own sender residual):
+    [;stage_weighting=X][;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X][;opening_carry=X][;opening_rcarry=X]
+    [;opening_rfold=X][;opening_up_error=X][;opening_down_error=X]` (rcarry: a reducer residual on the return trip,
+    damped by X each round; stage_weighting: e8s's return trip's, see E8StagesCodec; up_error, down_error: the
+    trip's code error scaled by X, see `carried`; opening_lr: the plain step's lr in --first-rounds-plain rounds, as
+    --opening-outer-lr; lr_peak: join's --outer-lr-peak; opening_carry: damped-ef's carry into those rounds, join's
+    by default; opening_rcarry, opening_up_error, opening_down_error: rcarry, up_error, down_error for those rounds
+    alone; opening_rfold: in those rounds each reducer adds X x the group size x its span's return-trip error to
+    its own sender residual):
     (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
-    if key not in APPLY_AFTER_TRIPS or (codec and codec not in ROW_CODECS):
+    if key not in APPLY_AFTER_TRIPS or (codec and codec not in CODECS):
         raise ValueError(f"{spec!r}: KEY[@CODEC] with KEY one of {', '.join(APPLY_AFTER_TRIPS)} and CODEC one of "
-                         f"{', '.join(ROW_CODECS)}")
+                         f"{', '.join(CODECS)}")
     name, averaging = APPLY_AFTER_TRIPS[key]
     overrides = {"codec": codec} if codec else {}
     for option in options:
@@ -454,10 +414,6 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
         try:
             if field in ("k", "return_k", "levels"):  # TopKCodec's
                 overrides.setdefault("codec_options", {})[field] = int(value)
-            elif field in ("weighting", "stages"):  # GatherCodec's (e8g)
-                overrides.setdefault("codec_options", {})[field] = float(value)
-            elif field == "flat":  # flat=1: each trip codes the whole update as one vector, as hivemind's parts
-                overrides["flat"] = bool(int(value))
             elif field == "stage_weighting":  # E8StagedReturnCodec's (e8s)
                 overrides.setdefault("codec_options", {})[field] = float(value)
             elif field == "own":  # own=0: each reducer codes its own part too, as SwarmAverager once did
@@ -466,10 +422,9 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
                 overrides[TRIP_FIELDS[field]] = float(value)
         except (KeyError, ValueError):
             raise ValueError(f"{spec!r}: {option!r} is not one of k=, return_k=, levels=, stage_weighting=, "
-                             f"weighting=, stages=, flat=0|1, own=0|1, {'=, '.join(TRIP_FIELDS)}= with a number"
-                             ) from None
+                             f"own=0|1, {'=, '.join(TRIP_FIELDS)}= with a number") from None
     try:  # k=, return_k=, levels= belong to topk, stage_weighting= to e8s: refused here, not in a row's worker
-        ROW_CODECS[codec or DEFAULT_CODEC](**overrides.get("codec_options", {}))
+        CODECS[codec or DEFAULT_CODEC](**overrides.get("codec_options", {}))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{spec!r}: not settings of codec {codec or DEFAULT_CODEC}: {e}") from None
     label = ", ".join([name, *(f"{k} {v}" for k, v in overrides.items())])

@@ -240,9 +240,9 @@ class _Stage(NamedTuple):
 
 
 class E8StagesCodec(OneBitCodec):
-    """E8 words in up to `MAX_STAGES` stages a block, each coding what the ones before left, with `stages` times as
-    many stages in all as the tensor has full blocks (one a block on average by default), each given where the error
-    it cuts, over its block's energy to the power `weighting`, is largest.
+    """E8 words in up to `MAX_STAGES` stages a block, each coding what the ones before left, with as many stages
+    in all as the tensor has full blocks (one a block on average), each given where the error it cuts, over its
+    block's energy to the power `weighting`, is largest.
 
     Why: the return trip's error lands on every peer's weights alike and holds the code's cost, and a swarm's
     update is far from even across blocks (quiet tensors beside busy ones): one stage everywhere spends as many
@@ -261,24 +261,23 @@ class E8StagesCodec(OneBitCodec):
 
     compression_type = E8_STAGES_COMPRESSION_TYPE
 
-    def __init__(self, block_size: int = BLOCK_SIZE, weighting: float = STAGE_WEIGHTING, stages: float = 1.0):
+    def __init__(self, block_size: int = BLOCK_SIZE, weighting: float = STAGE_WEIGHTING):
         super().__init__(block_size)
-        self._stage, self.weighting, self.stages = E8Codec(block_size), weighting, stages
+        self._stage, self.weighting = E8Codec(block_size), weighting
 
     def _encode_stages(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(stage count of each full block, scales, payload bytes) of the flattened `x`."""
         flat, block = x.reshape(-1).float(), self.block_size
         full = flat.numel() // block
         body = flat[: full * block].view(full, block)
-        budget = max(1, int(self.stages * full)) if full else 0
         energy = body.square().sum(dim=1)
         weight = energy.clamp_min(torch.finfo(torch.float32).tiny) ** -self.weighting
         stages = [self._stage_of(torch.arange(full, device=flat.device), body, energy, weight)]
         while len(stages) < MAX_STAGES and full:
-            stages.append(self._next_stage(stages, budget, weight))
-        # The `budget` stages with the largest claims: a block's count is how many of its stages made the cut (a
+            stages.append(self._next_stage(stages, full, weight))
+        # The `full` stages with the largest claims: a block's count is how many of its stages made the cut (a
         # later stage that did without an earlier one stands for it; rare, and it only loses a little).
-        picked = torch.cat([stage.claims for stage in stages]).topk(budget, sorted=False).indices
+        picked = torch.cat([stage.claims for stage in stages]).topk(full, sorted=False).indices
         owners = torch.cat([stage.blocks for stage in stages])[picked]
         counts = torch.zeros(full, dtype=torch.long, device=flat.device).index_add_(0, owners, torch.ones_like(owners))
         sent = [counts[stage.blocks] > number for number, stage in enumerate(stages)]
