@@ -527,8 +527,9 @@ def main() -> None:
                              "in progress, as a swarm is after its first rounds), every row and swarm peer "
                              "starting from its weights, AdamW state and place in the schedule")
     parser.add_argument("--seed", type=int, default=0, help="a repeat of the same comparison with other random "
-                        "draws: the run's initial weights (the swarm's too: its founder's --seed), the start state's and "
-                        "every in-process row's batches (the swarm's peers draw theirs from their peer ids)")
+                        "draws: the run's initial weights (the swarm's too: its founder's --seed), the start "
+                        "state's and every in-process row's batches (the swarm's peers draw theirs from their "
+                        "peer ids)")
     parser.add_argument("--out", help="folder for the peer logs, the table and results.json")
     args = parser.parse_args()
     if args.from_step < 0:
