@@ -167,8 +167,12 @@ class RoundClock:
 
     def confirm(self, peer_ids: Iterable[str]) -> None:
         """Peers this one has averaged with (or downloaded the swarm's state from): their records count as they
-        are; those of the others are bounded (see the module's docstring)."""
-        self._confirmed.update(p for p in peer_ids if p and p != self.peer_id)
+        are; those of the others are bounded (see the module's docstring). They count as seen now (`alone`):
+        under load a peer's first DHT reads can lag its first rounds with the others."""
+        confirmed = {p for p in peer_ids if p and p != self.peer_id}
+        self._confirmed.update(confirmed)
+        if confirmed:
+            self._other_seen = time.time()
 
     def leave_out(self, peer_ids: Iterable[str]) -> None:
         """Peers this one has banned: their records count no more. Such a peer can no longer join our groups,

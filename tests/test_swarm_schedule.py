@@ -186,6 +186,18 @@ def test_a_peer_is_alone_only_once_no_other_peer_has_been_seen_for_a_records_lif
     assert not clock.alone()
 
 
+def test_a_peer_that_has_just_averaged_with_others_is_not_alone_whatever_its_clock_has_read():
+    """Under load a peer's first DHT reads can lag its first rounds: one that had averaged its first opening
+    round with two peers, but read no record yet, took its second as alone and fell out of step with them."""
+    clock = clock_seeing()
+    clock.update(1, 3, 1.0)  # past its first round: `live_at_start` no longer counts
+    assert clock.alone()
+    clock.confirm(["me", ""])  # neither itself nor an unknown donor is another peer
+    assert clock.alone()
+    clock.confirm(["b", "c"])  # the group of its last round
+    assert not clock.alone()
+
+
 def test_a_round_is_given_up_after_two_windows_only_when_nobody_else_trains_towards_it():
     now = time.time()
     assert RoundSchedule(clock_seeing(), matchmaking_time=1.5).give_up_after(4) == 3.0
