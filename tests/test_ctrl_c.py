@@ -16,6 +16,7 @@ import hivemind
 import psutil
 import pytest
 
+from hangs import FAULTHANDLER, stacks
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.model import ModelConfig
 from tscale_p2p.peers.run_config import RunConfig, publish_run_config
@@ -33,7 +34,7 @@ class Command:
         self.stderr = tmp_path / "stderr.txt"
         with open(self.stderr, "wb") as sink:
             # -X faulthandler: a command that hangs is made to print every thread's stack (see `wait_until`)
-            self.popen = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "tscale_p2p.cli", *args],
+            self.popen = subprocess.Popen([sys.executable, *FAULTHANDLER, "-m", "tscale_p2p.cli", *args],
                                           cwd=tmp_path, env=CHILD_ENV,
                                           stdout=subprocess.DEVNULL, stderr=sink, start_new_session=True)
         self.process = psutil.Process(self.popen.pid)
@@ -50,16 +51,7 @@ class Command:
             time.sleep(0.2)
 
     def stacks(self) -> str:
-        """The command's threads' stacks, where it stands now (faulthandler prints them on SIGABRT, and the command
-        dies of it), to tell where a hang is."""
-        before = len(self.err())
-        self.popen.send_signal(signal.SIGABRT)
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        dump = self.err()[before:].splitlines()
-        return "\n".join(line for line in dump if not line.startswith("Extension modules:"))[-6000:]
+        return stacks(self.popen, self.err)
 
     def ctrl_c(self, timeout: float) -> tuple[int, list[psutil.Process]]:
         """SIGINT to the process group, as a terminal sends it; (exit code, descendants still alive after)."""
