@@ -92,7 +92,8 @@ class RoundClock:
         self._others: list[Progress] = []  # the latest fetch, fresh records only
         self._confirmed: set[str] = set()  # peer ids met in an averaging group (or our state's donor)
         self._banned: set[str] = set()  # peer ids whose records count no more
-        self._other_seen: float | None = None  # when a read last found another peer's fresh record
+        # when a read last found another peer's fresh record, or this peer last averaged with others
+        self._other_seen: float | None = None
         # Peers seen live before training (join's --min-peers wait, from their metrics records): see `peers_in`.
         self.live_at_start = 1
         self._first_epoch: int | None = None  # the round this peer began training in
