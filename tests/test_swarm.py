@@ -210,7 +210,9 @@ def test_three_peers_average_and_agree_with_a_stock_hivemind_bootstrap(spawn, tm
         assert "Traceback" not in peer.output()
         assert re.search(r"run 'agree' \(config \w+\): model \w+, 5 inner steps after 2 opening rounds of 3 at "
                          r"plain lr 1.5, outer lr 1.5 falling to 1 with the inner lr, codec topk", peer.output())
-        assert re.search(r"round 1: averaged with 2 peer\(s\).* applied 0 steps into round 2", peer.output())
+        # (a groupmate's span lost mid-round under load still leaves the round averaged with both)
+        assert re.search(r"round 1: averaged with 2 peer\(s\)(, lost 1 of them mid-round)? in .* applied 0 steps "
+                         r"into round 2", peer.output())
 
 
 @pytest.mark.timeout(420)
