@@ -364,16 +364,8 @@ class SwarmPeer:
     def _wait_for_the_swarms_round_end(self, steps_in_round: int, round_start: float) -> bool:
         """The run is over in the middle of a round: wait, without training, for `RoundSchedule.last_steps` to say
         whether to average the last steps (True) or keep them local (False), at most the averaging timeout;
-        meanwhile look for the round's group (a peer that began only at the round's end found it formed without it).
-
-        It looks from the start of the wait and declares the wait's end as its round's start. hivemind begins a
-        leader's group, full or not, once the time its leader declared has passed, and followers join leaders that
-        declared an earlier time. A peer out of steps that declared the round's expected end, as a training peer
-        does, led groups that began before the round ended: as the swarm's peers run out of steps one by one, the
-        expected end moves later, and a peer that stopped a few seconds after such a leader's time was left out of
-        the run's last average (about half the real-swarm runs of benchmarks/RESULTS.md). Declaring the wait's end,
-        it follows a training peer's group, or leads one of peers out of steps that begins once all live peers
-        are in."""
+        meanwhile take part in the round's matchmaking like the others (a peer that began it only at the round's
+        end found their group formed without it)."""
         epoch = self.round
         self.clock.update(epoch, steps_in_round, 0.0)  # others must not count on steps we no longer make
         deadline = time.monotonic() + self.averager.round_timeout
@@ -386,12 +378,7 @@ class SwarmPeer:
             if verdict is not LastSteps.WAIT:
                 break
             if not self.averager.round_scheduled:
-                self.averager.schedule_round(
-                    max(0.0, deadline - time.monotonic()), tokens=self._tokens_in_round,
-                    metadata=self._base_metadata(), pair_partners=self._pair_partners(),
-                    # every live peer, however short the round: it no longer trains, so it cannot drift a round ahead
-                    group_size=self.schedule.group_size(time.perf_counter() - round_start, synchronous=True),
-                )
+                self._maybe_schedule_round(epoch, steps_in_round, 0.0, time.perf_counter() - round_start)
             time.sleep(0.2)
         if verdict is LastSteps.KEEP_LOCAL:
             log.info("run over after %d steps of round %d, %d in all by the swarm's peers: keeping them local",
