@@ -367,12 +367,15 @@ class SwarmPeer:
         meanwhile take part in the round's matchmaking like the others (a peer that began it only at the round's
         end found their group formed without it)."""
         epoch = self.round
-        self.clock.update(epoch, steps_in_round, 0.0)  # others must not count on steps we no longer make
         deadline = time.monotonic() + self.averager.round_timeout
         if not self.clock.others_idle(epoch):
             log.info("run over after %d steps of round %d: waiting up to %.0f s for the swarm's round end to average "
                      "them", steps_in_round, epoch + 1, self.averager.round_timeout)
         while True:
+            # No steps we no longer make for others to count on, and the record made now, not once: others count a
+            # peer whose record is a record's lifetime old (8 s) as gone, so their group expected one peer fewer, was
+            # full without this one and began (the run's last round left a peer out in half the real-swarm runs).
+            self.clock.update(epoch, steps_in_round, 0.0)
             timed_out = time.monotonic() > deadline or self.status.stop_requested.is_set()
             verdict = self.schedule.last_steps(epoch, steps_in_round, time.time(), timed_out)
             if verdict is not LastSteps.WAIT:

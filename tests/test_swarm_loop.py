@@ -407,6 +407,38 @@ def test_the_runs_last_steps_are_averaged_when_the_swarm_made_h_steps_in_the_rou
     assert_same(peer.trainer.snapshot(), peer.outer.weights)  # nothing left unaveraged
 
 
+class RecordingClock(QuietClock):
+    """A `QuietClock` that keeps every progress record this peer made (what `RoundClock` would publish)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[Progress] = []
+
+    def update(self, epoch: int, steps: int, steps_per_s: float) -> None:
+        super().update(epoch, steps, steps_per_s)
+        self.records.append(self._mine)
+
+
+def test_a_peer_waiting_for_the_swarms_round_end_keeps_its_progress_record_fresh(corpus, tmp_path):
+    """The run is over 2 steps into round 2 while the other peer trains on, about a second from the round's end:
+    the peer waits for it without training, and its record says so (no steps per second) with a time that moves on
+    while it waits. A record keeps the time it was made, and others count a peer whose record is a record's lifetime
+    old as gone: made once, it let the others' group of the run's last round begin without this peer."""
+    clock = RecordingClock()
+    clock.observe([Progress(epoch=0, steps=H, steps_per_s=0.0, time=time.time(), peer_id="other")])
+
+    def rounds(number, gradient, metadata):
+        if number == 1:  # round 2: the other makes its 2H - 3 steps at 5 a second
+            clock.observe([Progress(epoch=1, steps=0, steps_per_s=5.0, time=time.time(), peer_id="other")])
+        return averaged_with_group([t.clone() for t in gradient], [metadata, metadata])
+
+    peer = make_peer(corpus, tmp_path / "wait", rounds, max_steps=H + 2, clock=clock)
+    peer.run()
+    waiting = [r.time for r in clock.records if (r.epoch, r.steps, r.steps_per_s) == (1, 2, 0.0)]
+    assert max(waiting) - min(waiting) >= 0.5
+    assert len(peer.averager.started) == 2 and peer.round == 2  # then the last steps were averaged
+
+
 @pytest.mark.parametrize("donor_applied_the_round", [False, True])
 def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_groups_base_next(
         corpus, tmp_path, caplog, donor_applied_the_round):
