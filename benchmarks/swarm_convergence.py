@@ -309,13 +309,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
 
 def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], bool]:
     """All peers start together against a stock `hivemind-dht` bootstrap node, with the same flags."""
-    bootstrap_log = work / "bootstrap.log"
-    # In its own session: hivemind-dht forks its DHT process and p2pd, and all of them must go at the end.
-    # hivemind's own `hivemind-dht` CLI, run as a module: its console script is missing where hivemind was
-    # installed with `pip --target` (the GPU machine)
-    bootstrap = subprocess.Popen([sys.executable, "-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs",
-                                  "/ip4/127.0.0.1/tcp/0"], stdout=open(bootstrap_log, "wb"), stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+    bootstrap = start_bootstrap(work / "bootstrap.log")
     flags = [
         "--data", args.data, "--tokenizer", "byte", "--device", args.device, "--no-compile", "--batch-size", str(args.batch_size),
         "--max-steps", str(args.steps),
@@ -333,7 +327,7 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], b
     logs = [work / f"peer{i}.log" for i in range(args.peers)]
     processes = [bootstrap]
     try:
-        address = _wait_for(bootstrap_log, r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", bootstrap)
+        address = bootstrap_address(work / "bootstrap.log", bootstrap)
         for i in range(args.peers):
             command = [sys.executable, "-m", "tscale_p2p.cli", "join", "--out", str(work / f"peer{i}"),
                        "--initial-peers", address, *flags]
@@ -344,14 +338,33 @@ def swarm(args, work: Path) -> tuple[list[float], list[float], int, list[str], b
     finally:
         for process in processes[1:]:
             process.kill()
-        os.killpg(bootstrap.pid, signal.SIGKILL)
-        bootstrap.wait()
+        stop_bootstrap(bootstrap)
     weights = [_global_weights(work / f"peer{i}", args) for i in range(args.peers)]
     identical = all(torch.equal(w[n], weights[0][n]) for w in weights for n in w)
     global_losses = [val_loss(args, w) for w in weights]
     local_losses = [_local_loss(work / f"peer{i}", args) for i in range(args.peers)]
     tokens = sum(_tokens(log.read_text()) for log in logs)
     return global_losses, local_losses, tokens, [log.read_text() for log in logs], identical
+
+
+def start_bootstrap(log: Path) -> subprocess.Popen:
+    """A stock `hivemind-dht` node on 127.0.0.1 for peers that all start together (none of them the founder)."""
+    # In its own session: hivemind-dht forks its DHT process and p2pd, and all of them must go at the end.
+    # hivemind's own `hivemind-dht` CLI, run as a module: its console script is missing where hivemind was
+    # installed with `pip --target` (the GPU machine)
+    return subprocess.Popen([sys.executable, "-m", "hivemind.hivemind_cli.run_dht", "--host_maddrs",
+                             "/ip4/127.0.0.1/tcp/0"], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def bootstrap_address(log: Path, bootstrap: subprocess.Popen) -> str:
+    """The multiaddr `start_bootstrap`'s node prints once it listens."""
+    return _wait_for(log, r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", bootstrap)
+
+
+def stop_bootstrap(bootstrap: subprocess.Popen) -> None:
+    os.killpg(bootstrap.pid, signal.SIGKILL)
+    bootstrap.wait()
 
 
 def _wait_for(log: Path, pattern: str, process: subprocess.Popen, timeout: float = 120) -> str:

@@ -58,6 +58,35 @@ def hog() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
 
 
+def launch_peer(folder: Path, i: int, flags: list[str], env: dict) -> subprocess.Popen:
+    """`tscale-peer join FLAGS` as peer i in a session of its own (its run in folder/peer{i}, its log beside)."""
+    with open(folder / f"peer{i}.log", "wb") as sink:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tscale_p2p.cli", "join", "--out", str(folder / f"peer{i}"), "--name", f"peer{i}",
+             *flags], stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def founder_address(log: Path, founder: subprocess.Popen) -> str:
+    """The founder's multiaddr, once its log shows it."""
+    while not (found := MADDR.search(log.read_text(errors="replace"))):
+        if founder.poll() is not None:
+            sys.exit(f"the founder exited:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.5)
+    return found.group(0)
+
+
+def stop_peers(peers: list[subprocess.Popen]) -> None:
+    """SIGTERM to those still running (they save and leave), SIGKILL to any not gone 90 s later."""
+    for process in peers:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    for process in peers:
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
 def round_table(log: str, peers: int, after: int = 0) -> dict[str, int]:
     """The counts of the module docstring for one peer's log, rounds after `after` only."""
     rounds = {}
@@ -129,23 +158,12 @@ def main() -> None:
     logs = [folder / f"peer{i}.log" for i in range(args.peers)]
     start = time.monotonic()
     try:
-        def launch(i: int, *extra: str) -> None:
-            with open(logs[i], "wb") as sink:
-                peers.append(subprocess.Popen(
-                    [sys.executable, "-m", "tscale_p2p.cli", "join", "--out", str(folder / f"peer{i}"),
-                     "--name", f"peer{i}", *common, *extra],
-                    stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-
         together = [] if args.stagger else ["--min-peers", str(args.peers)]  # staggered: the founder trains alone first
-        launch(0, *together)
-        while not MADDR.search(logs[0].read_text(errors="replace")):
-            if peers[0].poll() is not None:
-                sys.exit(f"the founder exited:\n{logs[0].read_text(errors='replace')[-3000:]}")
-            time.sleep(0.5)
-        founder = MADDR.search(logs[0].read_text(errors="replace")).group(0)
+        peers.append(launch_peer(folder, 0, [*common, *together], env))
+        founder = founder_address(logs[0], peers[0])
         for i in range(1, args.peers):
             time.sleep(args.stagger)
-            launch(i, "--initial-peers", founder, *together)
+            peers.append(launch_peer(folder, i, [*common, "--initial-peers", founder, *together], env))
         while time.monotonic() - start < args.timeout:
             found = {int(m.group(1)) for m in ROUND.finditer(logs[0].read_text(errors="replace"))}
             if len(found) > args.rounds + first_round_of_all(logs) or any(p.poll() is not None for p in peers):
@@ -155,14 +173,7 @@ def main() -> None:
             time.sleep(5)
         print(file=sys.stderr)
     finally:
-        for process in peers:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in peers:
-            try:
-                process.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+        stop_peers(peers)
         for process in hogs:
             os.killpg(process.pid, signal.SIGKILL)
     elapsed = time.monotonic() - start
