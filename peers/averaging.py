@@ -185,6 +185,8 @@ UNKNOWN_GROUP_GRACE_S = 3.0
 # Longest an all-reduce waits for the pair rule the host has just sent (it travels on hivemind's control pipe,
 # which the averager process reads between its tasks): milliseconds normally, seconds on a starved CPU.
 PAIR_RULE_WAIT_S = 5.0
+# How often a peer looking for a group re-reads the averagers declared in the DHT (`SwarmAverager.run_step`).
+LEADERS_REFRESH_S = 1.0
 
 _SENT, _RECEIVED, _VALUES_SENT, _VALUES_RECEIVED = 0, 1, 2, 3  # the averager's traffic counters
 
@@ -806,9 +808,11 @@ class SwarmAverager(AveragerBase):
         self.set_target_group_size(int(self._round_group_size) or self._target_group_size)
         self._steps_begun += 1
         self.skip_leaders(self._skipped_leader)
+        refresher = asyncio.ensure_future(self._refresh_leaders_while_looking(step))
         try:
             await super().run_step(step=step, future_for_init=future_for_init)
         finally:
+            refresher.cancel()
             outgoing, self._outgoing = self._outgoing, None
             if outgoing is not None:  # no all-reduce delivered (e.g. nobody to average with): nothing sent
                 if not step.triggered:
@@ -818,6 +822,16 @@ class SwarmAverager(AveragerBase):
                     self._undo_error_feedback(outgoing.result())
             self._step_in_progress = None
             self._step_finished.set()  # after the undo, which reads the pseudo-gradient buffers
+
+    async def _refresh_leaders_while_looking(self, step: StepControl) -> None:
+        # hivemind re-reads the declared averagers only while the earliest it knows declares a time past the latest
+        # others' less 3 s, as if all declared about the same horizon. Peers out of steps declare far and unequal
+        # ones (`RoundSchedule.group_deadline`): the one leading the others stopped reading, never saw a peer still
+        # training that began looking later with an earlier time, and began its group without it at its own time.
+        while True:
+            await asyncio.sleep(LEADERS_REFRESH_S)
+            if step.stage == AveragingStage.LOOKING_FOR_GROUP:
+                self.refresh_potential_leaders()
 
     def _skipped_leader(self, leader: PeerID) -> bool:
         """Leaders this peer does not follow: those it banned, and, while it averages in a pair only with its

@@ -12,8 +12,8 @@ What it offers:
 - `AveragerBase`: `DecentralizedAverager` whose private hooks are renamed, for subclasses to override:
   `run_step` (hivemind's `_step`), `run_allreduce` (`_run_allreduce_inplace_`), `download_state`
   (`_load_state_from_peers`); and accessors for its private state (`p2p`, `averaged_tensors`,
-  `allreduce_timeout`, `register_runner`, `runner_future`, `set_target_group_size`, `skip_leaders`,
-  `run_in_averager_process`).
+  `allreduce_timeout`, `register_runner`, `runner_future`, `set_target_group_size`, `refresh_potential_leaders`,
+  `skip_leaders`, `run_in_averager_process`).
 - `AllReduceRunnerBase`: `AllReduceRunner` with `accumulate_parts_streaming` (its `_accumulate_parts_streaming`)
   and `communicate_with_peer` (`_communicate_with_peer`) as hooks, and `ban_sender`, `peer_stub`,
   `input_messages_for` for its private helpers.
@@ -196,6 +196,11 @@ class AveragerBase(DecentralizedAverager):
         """The group size at which this peer, as a leader, begins the all-reduce without waiting out the
         matchmaking window (hivemind has no per-step setting). Averager process only."""
         self._matchmaking.target_group_size = size
+
+    def refresh_potential_leaders(self) -> None:
+        """Have matchmaking read the averagers declared in the DHT again (hivemind re-reads them only while its
+        earliest known one is past `PotentialLeaders.max_assured_time`). Averager process only."""
+        self._matchmaking.potential_leaders.update_triggered.set()
 
     def skip_leaders(self, skip: Callable[[PeerID], bool]) -> None:
         """Make matchmaking pass over the leaders `skip` returns True for (hivemind asks each potential leader in
