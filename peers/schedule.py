@@ -110,7 +110,8 @@ class RoundSchedule:
             return None
         return seconds
 
-    def group_deadline(self, epoch: int, seconds_to_end: float) -> float:
+    def group_deadline(self, epoch: int, seconds_to_end: float, leaves_in_s: float | None = None,
+                       wait_s: float = 0.0) -> float:
         """Seconds until the group of round `epoch`, which this peer expects to end in `seconds_to_end` seconds, must
         begin: in this peer's first round one of the clock's record periods after that, else then. Peers started
         together begin training up to a second apart, before they have read each other's records, so their
@@ -118,7 +119,17 @@ class RoundSchedule:
         round ended 0.25 s later, which then averaged out of step and downloaded the state. A group whose expected
         peers (`group_size`) are all in begins at once; one that never completes (a peer counted live that cannot
         join: an attacker others banned) waits the whole deadline, so later rounds, whose ends the peers read
-        alike, do not wait the extra period (with it, each such round of a 3 + 1 run took a second longer)."""
+        alike, do not wait the extra period (with it, each such round of a 3 + 1 run took a second longer).
+
+        A peer that stops training first (`leaves_in_s` < `seconds_to_end`: out of its own steps) says `wait_s`
+        after it stops instead, the longest it then waits for the round's end. hivemind begins a leader's group,
+        full or not, once the time its leader said has passed; as the swarm's peers stop one by one the round's end
+        moves later, and a peer out of steps that had said the end it expected led a group that began without a
+        peer still training (a run's last round left a peer out in about half the real-swarm runs of
+        benchmarks/RESULTS.md). Saying a later time, it follows the group of a peer still training, or leads one of
+        peers out of steps that begins once all live peers are in."""
+        if leaves_in_s is not None and leaves_in_s < seconds_to_end:
+            return leaves_in_s + wait_s
         return seconds_to_end + (self.clock.every_s if self.clock.is_first_round(epoch) else 0.0)
 
     def group_size(self, round_s: float, synchronous: bool = False) -> int | None:

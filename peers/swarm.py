@@ -328,7 +328,9 @@ class SwarmPeer:
                         self._drain(steps_late=0)  # an opening round is synchronous: wait for it
                     steps_in_round, round_start = 0, time.perf_counter()
                 elif self._in_flight is None and not self.averager.round_scheduled:
-                    self._maybe_schedule_round(epoch, steps_in_round, steps_per_s, time.perf_counter() - round_start)
+                    steps_left = None if self.max_steps is None else self.max_steps - session_steps
+                    self._maybe_schedule_round(epoch, steps_in_round, steps_per_s, time.perf_counter() - round_start,
+                                               steps_left)
                 cfg = self.trainer.cfg
                 if cfg.save_every and stats.step % cfg.save_every == 0:
                     self.save()
@@ -364,8 +366,9 @@ class SwarmPeer:
     def _wait_for_the_swarms_round_end(self, steps_in_round: int, round_start: float) -> bool:
         """The run is over in the middle of a round: wait, without training, for `RoundSchedule.last_steps` to say
         whether to average the last steps (True) or keep them local (False), at most the averaging timeout;
-        meanwhile take part in the round's matchmaking like the others (a peer that began it only at the round's
-        end found their group formed without it)."""
+        meanwhile look for the round's group from the start, saying the wait's end as its start (see
+        `RoundSchedule.group_deadline`: a peer that began only at the round's end found the group formed without it,
+        and one that said the end it expected led groups that began without a peer still training)."""
         epoch = self.round
         deadline = time.monotonic() + self.averager.round_timeout
         if not self.clock.others_idle(epoch):
@@ -381,7 +384,15 @@ class SwarmPeer:
             if verdict is not LastSteps.WAIT:
                 break
             if not self.averager.round_scheduled:
-                self._maybe_schedule_round(epoch, steps_in_round, 0.0, time.perf_counter() - round_start)
+                seconds_to_end = self.clock.seconds_to_round_end(epoch, steps_in_round, 0.0)
+                self.averager.schedule_round(
+                    self.schedule.group_deadline(epoch, seconds_to_end, leaves_in_s=0.0,
+                                                 wait_s=max(0.0, deadline - time.monotonic())),
+                    tokens=self._tokens_in_round,
+                    metadata=self._base_metadata(), pair_partners=self._pair_partners(),
+                    # every live peer, however short the round: it no longer trains, so it cannot drift a round ahead
+                    group_size=self.schedule.group_size(time.perf_counter() - round_start, synchronous=True),
+                )
             time.sleep(0.2)
         if verdict is LastSteps.KEEP_LOCAL:
             log.info("run over after %d steps of round %d, %d in all by the swarm's peers: keeping them local",
@@ -403,14 +414,19 @@ class SwarmPeer:
         epoch = self.round + (self._in_flight is not None)
         return self.clock.schedule_step(self.schedule_origin, epoch, steps_in_round)
 
-    def _maybe_schedule_round(self, epoch: int, steps_in_round: int, steps_per_s: float, round_s: float) -> None:
-        """Begin matchmaking now if `RoundSchedule.matchmaking_lead` says so."""
+    def _maybe_schedule_round(self, epoch: int, steps_in_round: int, steps_per_s: float, round_s: float,
+                              steps_left: int | None) -> None:
+        """Begin matchmaking now if `RoundSchedule.matchmaking_lead` says so (`steps_left`: this peer's own, if it
+        stops after --max-steps)."""
         seconds = self.schedule.matchmaking_lead(epoch, steps_in_round, steps_per_s, round_s)
         if seconds is None:
             return
-        expected_tokens = self._tokens_in_round * (1 + seconds * steps_per_s / steps_in_round)
+        leaves_in_s = None if steps_left is None else steps_left / steps_per_s
+        training_s = seconds if leaves_in_s is None else min(seconds, leaves_in_s)
+        expected_tokens = self._tokens_in_round * (1 + training_s * steps_per_s / steps_in_round)
         self.averager.schedule_round(
-            self.schedule.group_deadline(epoch, seconds), tokens=expected_tokens, metadata=self._base_metadata(),
+            self.schedule.group_deadline(epoch, seconds, leaves_in_s, wait_s=self.averager.round_timeout),
+            tokens=expected_tokens, metadata=self._base_metadata(),
             group_size=self.schedule.group_size(round_s + seconds), pair_partners=self._pair_partners(),
         )
 

@@ -90,13 +90,18 @@ class ScriptedAverager:
         self.matchmaking_time, self.round_timeout = MATCHMAKING_S, 5.0
         self.state_sharing_priority = 0.0
         self.round_scheduled = False
+        self.scheduled: list[tuple[float, int | None]] = []  # (seconds_to_start, group_size) of each schedule_round
+        self.on_schedule = lambda: None
         self.started: list[tuple[list[torch.Tensor], dict]] = []  # (pseudo-gradient, metadata) of each round
         self.pair_partners: list = []  # each round's pair_partners
         self.residual_carries: list = []  # each round's residual_carry
         self.downloads = 0
 
     def schedule_round(self, seconds_to_start, tokens, metadata=None, group_size=None, pair_partners=None) -> None:
+        assert tokens > 0
         self.round_scheduled = True
+        self.scheduled.append((seconds_to_start, group_size))
+        self.on_schedule()
 
     def cancel_scheduled_round(self) -> None:
         self.round_scheduled = False
@@ -405,6 +410,32 @@ def test_the_runs_last_steps_are_averaged_when_the_swarm_made_h_steps_in_the_rou
     peer.run()
     assert len(peer.averager.started) == 2 and peer.round == 2
     assert_same(peer.trainer.snapshot(), peer.outer.weights)  # nothing left unaveraged
+
+
+def test_a_peer_out_of_steps_looks_for_the_last_group_at_once_and_declares_a_start_past_the_rounds_end(corpus,
+                                                                                                         tmp_path):
+    """The run is over 2 steps into round 2 while the other peer still trains, 2.5 s from the round's end at its
+    pace: the peer looks for the round's group at once (not only within a matchmaking window of that end),
+    expecting both peers, and declares its wait's end (the averaging timeout, 5 s) as the round's start, so a
+    group it leads does not begin before the round ends without a peer still on its way. The other peer then
+    ends the round, and the last steps are averaged."""
+    clock = QuietClock()
+    clock.observe([Progress(epoch=0, steps=H, steps_per_s=0.0, time=time.time(), peer_id="other")])
+
+    def rounds(number, gradient, metadata):
+        if number == 1:  # round 2: the other has made 1 step of the 2H - 2 it needs, at 2 steps a second
+            clock.observe([Progress(epoch=1, steps=1, steps_per_s=2.0, time=time.time(), peer_id="other")])
+        return averaged_with_group([t.clone() for t in gradient], [metadata, metadata])
+
+    peer = make_peer(corpus, tmp_path / "last", rounds, max_steps=H + 2, clock=clock)
+    peer.averager.on_schedule = lambda: clock.observe(  # the other ends the round
+        [Progress(epoch=2, steps=0, steps_per_s=0.0, time=time.time(), peer_id="other")])
+    peer.run()
+    assert len(peer.averager.scheduled) == 1
+    seconds_to_start, group_size = peer.averager.scheduled[0]
+    assert seconds_to_start > 4.0 and group_size == 2
+    assert len(peer.averager.started) == 2 and peer.round == 2
+    assert_same(peer.trainer.snapshot(), peer.outer.weights)
 
 
 class RecordingClock(QuietClock):

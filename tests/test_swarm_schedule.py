@@ -97,6 +97,20 @@ def test_a_first_rounds_group_waits_one_record_period_past_its_expected_end_for_
     assert schedule.group_deadline(4, lead) == pytest.approx(lead)
 
 
+def test_a_peer_that_stops_before_the_rounds_end_says_its_group_begins_a_wait_after_it_stops():
+    """A leader's group begins, full or not, once the time its leader said has passed; the round's end moves later as
+    peers run out of steps. So a peer out of its own steps before the round's expected end says the end of its wait
+    for it (leaving in 1 s, waiting up to 30 s: 31 s), not the end it expects; one that trains to the end says that
+    end."""
+    clock = clock_seeing(Progress(3, 4, 1.0, time.time()))
+    clock.update(3, 13, 1.0)  # not its first round, which would wait a record period more
+    schedule = RoundSchedule(clock, matchmaking_time=2.0)
+    assert schedule.group_deadline(4, 1.5, leaves_in_s=1.0, wait_s=30.0) == pytest.approx(31.0)
+    assert schedule.group_deadline(4, 1.5, leaves_in_s=0.0, wait_s=30.0) == pytest.approx(30.0)  # out of steps now
+    assert schedule.group_deadline(4, 1.5, leaves_in_s=2.0, wait_s=30.0) == pytest.approx(1.5)
+    assert schedule.group_deadline(4, 1.5, leaves_in_s=None, wait_s=30.0) == pytest.approx(1.5)
+
+
 def test_a_banned_peers_records_neither_hold_a_round_back_nor_count_in_its_group():
     """Its groups refuse a banned peer, so a round that expected it would wait out the window every time."""
     now = time.time()
