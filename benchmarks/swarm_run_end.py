@@ -73,10 +73,22 @@ def one_run(args, folder: Path, data: Path, max_steps: list[int]) -> bool:
     return passed
 
 
+def step_counts(text: str) -> list[int]:
+    """`--max-steps`: positive step counts, comma-separated."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = []
+    if len(counts) < 2 or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected two or more positive step counts, comma-separated, got {text!r}")
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=6)
-    parser.add_argument("--max-steps", default="280,400,240,280", help="each peer's own --max-steps, comma-separated")
+    parser.add_argument("--max-steps", type=step_counts, default="280,400,240,280",
+                        help="each peer's own --max-steps, comma-separated")
     parser.add_argument("--steps", type=int, default=300, help="the run's schedule, in steps")
     parser.add_argument("--inner-steps", type=int, default=100)
     parser.add_argument("--model", default="e64h4d2w128")
@@ -85,14 +97,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     parser.add_argument("--keep", type=Path, help="write the peers' logs and runs here (default: a temporary folder)")
     args = parser.parse_args()
-    max_steps = [int(n) for n in args.max_steps.split(",")]
+    max_steps = args.max_steps
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the peers and hogs on the way out
     folder = args.keep or Path(tempfile.mkdtemp(prefix="swarm-run-end-"))
     folder.mkdir(parents=True, exist_ok=True)
     data = corpus(folder / "corpus.txt")
     hogs = [hog() for _ in range(args.hogs)]
     try:
-        print(f"{len(max_steps)} peers, --max-steps {args.max_steps}, schedule {args.steps} steps, "
+        print(f"{len(max_steps)} peers, --max-steps {','.join(map(str, max_steps))}, schedule {args.steps} steps, "
               f"H={args.inner_steps}, {args.hogs} hogs, logs in {folder}")
         print("| run | last round | each peer's last averaged round (others, weights) |\n| --- | --- | --- |")
         passed = sum(one_run(args, folder / f"run{k}", data, max_steps) for k in range(1, args.runs + 1))
