@@ -39,7 +39,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression import serialization
 from hivemind.compression.base import CompressionBase
@@ -88,7 +88,8 @@ PRIVATE_ATTRIBUTES: tuple[tuple[type, tuple[str, ...]], ...] = (
     (DecentralizedAverager, ("_averaged_tensors", "_allreduce_timeout", "_running_groups", "_outer_pipe")),
     (StepControl, ("_trigger", "_cancel")),
     (TensorPartContainer, ("_input_parts_by_peer", "_outputs_registered_by_peer")),
-    (Matchmaking, ("current_leader", "current_followers", "assembled_group")),  # public, but undocumented state
+    (Matchmaking, ("current_leader", "current_followers", "assembled_group", "potential_leaders")),  # undocumented
+    (PotentialLeaders, ("update_triggered",)),
 )
 DECLARED_ATTRIBUTES: tuple[tuple[type, tuple[str, ...]], ...] = (
     (DecentralizedAverager, ("_p2p", "_matchmaking", "_pending_groups_registered")),

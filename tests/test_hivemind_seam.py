@@ -164,7 +164,9 @@ class _Recording(AveragerBase):
 
     async def _report(self, future: MPFuture) -> None:
         skipped = await self._matchmaking._request_join_group(self.peer_id)  # skipped: no request is made
-        future.set_result((type(self.p2p).__name__, self._matchmaking.target_group_size, skipped))
+        self.refresh_potential_leaders()
+        refresh = self._matchmaking.potential_leaders.update_triggered.is_set()
+        future.set_result((type(self.p2p).__name__, self._matchmaking.target_group_size, skipped, refresh))
 
 
 @pytest.mark.timeout(60)
@@ -187,7 +189,7 @@ def test_the_averager_hooks_and_accessors_work_in_a_running_averager():
         assert averager.calls.tolist() == [1, 1]
         report = MPFuture()
         averager.run_in_averager_process("_report", future=report)
-        assert report.result(timeout=10) == ("P2P", 5, None)
+        assert report.result(timeout=10) == ("P2P", 5, None, True)
     finally:
         averager.shutdown()
         dht.shutdown()
