@@ -119,6 +119,14 @@ class RoundClock:
             self._first_epoch = epoch
         self._mine = Progress(epoch, steps, steps_per_s, time.time())
 
+    def refresh(self) -> None:
+        """The last `update()` made anew, as it was: a peer that waits without training (for an opening round's
+        average, or its last round's as it leaves) is still there, and others count a peer whose record is a
+        record's lifetime old as gone."""
+        mine = self._mine
+        if mine is not None:
+            self.update(mine.epoch, mine.steps, mine.steps_per_s)
+
     def is_opening(self, epoch: int) -> bool:
         """Whether round `epoch` is one of the run's opening rounds (`RunConfig.opening_rounds`): short, and
         averaged before the next step."""

@@ -628,6 +628,7 @@ class SwarmPeer:
         if self._in_flight is None:
             return
         while not (self._in_flight.pending.done() or self._give_up_round_if_alone()):
+            self.clock.refresh()  # not training, but here: a record made once would expire while we wait
             time.sleep(0.1)
 
     def _give_up_round_if_alone(self) -> bool:

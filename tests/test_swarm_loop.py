@@ -441,8 +441,8 @@ def test_a_peer_out_of_steps_looks_for_the_last_group_at_once_and_declares_a_sta
 class RecordingClock(QuietClock):
     """A `QuietClock` that keeps every progress record this peer made (what `RoundClock` would publish)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **opening) -> None:
+        super().__init__(**opening)
         self.records: list[Progress] = []
 
     def update(self, epoch: int, steps: int, steps_per_s: float) -> None:
@@ -468,6 +468,21 @@ def test_a_peer_waiting_for_the_swarms_round_end_keeps_its_progress_record_fresh
     waiting = [r.time for r in clock.records if (r.epoch, r.steps, r.steps_per_s) == (1, 2, 0.0)]
     assert max(waiting) - min(waiting) >= 0.5
     assert len(peer.averager.started) == 2 and peer.round == 2  # then the last steps were averaged
+
+
+def test_a_peer_waiting_for_an_opening_rounds_average_keeps_its_progress_record_fresh(corpus, tmp_path):
+    """An opening round is waited for before the next step. While its average is on its way (a second here) the
+    peer's record is made anew, as it was when the round ended: made once, it would expire during a long wait, and
+    the others' next group would expect one peer fewer."""
+    clock = RecordingClock(opening_rounds=1, opening_inner_steps=2)
+    clock.observe([Progress(epoch=0, steps=2, steps_per_s=0.0, time=time.time(), peer_id="other")])
+    peer = make_peer(corpus, tmp_path / "opening-wait",
+                     lambda number, gradient, metadata: averaged_with_group(gradient, [metadata, metadata], polls=10),
+                     max_steps=2, clock=clock, opening_rounds=1, opening_inner_steps=2)
+    peer.run()
+    assert peer.round == 1
+    waiting = [r.time for r in clock.records if (r.epoch, r.steps) == (0, 2)]
+    assert max(waiting) - min(waiting) >= 0.5
 
 
 @pytest.mark.parametrize("donor_applied_the_round", [False, True])
