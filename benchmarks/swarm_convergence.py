@@ -50,7 +50,7 @@ from tscale_p2p.checkpoint import resume_from
 from tscale_p2p.config import TrainConfig
 from tscale_p2p.data import load_corpus
 from tscale_p2p.model import ModelConfig
-from tscale_p2p.peers.codec import CODECS
+from tscale_p2p.peers.codec import CODECS, E8StagesCodec
 from tscale_p2p.peers.join import initial_weights
 from tscale_p2p.peers.settings import (DEFAULT_CODEC, DEFAULT_OPENING_OUTER_LR, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,
                                        ERROR_FEEDBACK_CARRY, OPENING_OUTER_LR_PEAK_RATIO,
@@ -247,6 +247,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
     args = argparse.Namespace(**{**vars(args), "outer_lr": outer_lr, "lr": peer_lr, "up_error": 1.0,
                                  "down_error": 1.0, **(overrides or {})})
     codec = CODECS[args.codec](**getattr(args, "codec_options", {}))
+    out_codec = E8StagesCodec(codec.block_size) if getattr(args, "out_stages", False) else codec
     peers = [trainer_for(args, args.batch_size, seed=1 + i) for i in range(args.peers)]
     outers = [OuterOptimizer(t.snapshot(), args.outer_lr, args.outer_momentum, plain_lr=args.opening_outer_lr)
               for t in peers]  # identical copies
@@ -273,7 +274,7 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                     tensor.mul_(args.carry if carry is None else carry)
         if up != "exact":
             up_error = getattr(args, "opening_up_error", args.up_error) if opening else args.up_error
-            coded = [{n: carried(codec, d[n], residual[n] if up in ("ef", "damped-ef") else None, up_error)
+            coded = [{n: carried(out_codec, d[n], residual[n] if up in ("ef", "damped-ef") else None, up_error)
                       for n in d}
                      for d, residual in zip(deltas, residuals)]
             if getattr(args, "own", codec.own_part_exact):  # as SwarmAverager, unless the row says otherwise
@@ -406,10 +407,12 @@ def baseline(kind: str, args, outer_lr: float, peer_lr: float) -> tuple[float, i
 
 def trip_spec(spec: str) -> tuple[str, str, dict]:
     """An --apply-after-trips entry `KEY[@CODEC][;carry=X][;rcarry=X][;momentum=Y][;k=K][;return_k=K][;own=0|1]
-    [;stage_weighting=X][;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X][;opening_carry=X][;opening_rcarry=X]
-    [;opening_rfold=X][;opening_up_error=X][;opening_down_error=X]` (rcarry: a reducer residual on the return trip,
-    damped by X each round; stage_weighting: e8s's return trip's, see E8StagesCodec; up_error, down_error: the
-    trip's code error scaled by X, see `carried`; opening_lr: the plain step's lr in --first-rounds-plain rounds, as
+    [;stage_weighting=X][;out_stages=0|1][;up_error=X][;down_error=X][;opening_lr=X][;lr_peak=X][;opening_carry=X]
+    [;opening_rcarry=X][;opening_rfold=X][;opening_up_error=X][;opening_down_error=X]` (rcarry: a reducer residual
+    on the return trip, damped by X each round; stage_weighting: e8s's return trip's, see E8StagesCodec;
+    out_stages=1: the trip out in E8 stages too, as a sender's books would see it (join cannot send it so: hivemind
+    encodes each part again, and a stage code is not idempotent); up_error, down_error: the trip's code error
+    scaled by X, see `carried`; opening_lr: the plain step's lr in --first-rounds-plain rounds, as
     --opening-outer-lr; lr_peak: join's --outer-lr-peak; opening_carry: damped-ef's carry into those rounds, join's
     by default; opening_rcarry, opening_up_error, opening_down_error: rcarry, up_error, down_error for those rounds
     alone; opening_rfold: in those rounds each reducer adds X x the group size x its span's return-trip error to
@@ -431,11 +434,13 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
                 overrides.setdefault("codec_options", {})[field] = float(value)
             elif field == "own":  # own=0: each reducer codes its own part too, as SwarmAverager once did
                 overrides["own"] = bool(int(value))
+            elif field == "out_stages":  # out_stages=1: the trip out in E8 stages too, as the return trip of e8s
+                overrides["out_stages"] = bool(int(value))
             else:
                 overrides[TRIP_FIELDS[field]] = float(value)
         except (KeyError, ValueError):
             raise ValueError(f"{spec!r}: {option!r} is not one of k=, return_k=, levels=, stage_weighting=, "
-                             f"own=0|1, {'=, '.join(TRIP_FIELDS)}= with a number") from None
+                             f"own=0|1, out_stages=0|1, {'=, '.join(TRIP_FIELDS)}= with a number") from None
     try:  # k=, return_k=, levels= belong to topk, stage_weighting= to e8s: refused here, not in a row's worker
         CODECS[codec or DEFAULT_CODEC](**overrides.get("codec_options", {}))
     except (TypeError, ValueError) as e:
