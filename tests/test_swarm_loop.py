@@ -476,9 +476,12 @@ def test_a_peer_waiting_for_an_opening_rounds_average_keeps_its_progress_record_
     the others' next group would expect one peer fewer."""
     clock = RecordingClock(opening_rounds=1, opening_inner_steps=2)
     clock.observe([Progress(epoch=0, steps=2, steps_per_s=0.0, time=time.time(), peer_id="other")])
-    peer = make_peer(corpus, tmp_path / "opening-wait",
-                     lambda number, gradient, metadata: averaged_with_group(gradient, [metadata, metadata], polls=10),
-                     max_steps=2, clock=clock, opening_rounds=1, opening_inner_steps=2)
+
+    def rounds(number, gradient, metadata):  # done at the eleventh poll: a second or more of 0.1 s waits
+        return averaged_with_group([t.clone() for t in gradient], [metadata, metadata], polls=10)
+
+    peer = make_peer(corpus, tmp_path / "opening-wait", rounds, max_steps=2, clock=clock, opening_rounds=1,
+                     opening_inner_steps=2)
     peer.run()
     assert peer.round == 1
     waiting = [r.time for r in clock.records if (r.epoch, r.steps) == (0, 2)]
