@@ -577,8 +577,10 @@ class SwarmPeer:
         if not self.averager.client_mode:
             self.averager.state_sharing_priority = -1.0  # nobody should download our state meanwhile
         try:
-            state = self.averager.load_state_from_peers(wait=True, timeout=RESYNC_TIMEOUT_S, prefer=consensus,
-                                                        prefer_donors=declarers)
+            download = self.averager.load_state_from_peers(wait=False, timeout=RESYNC_TIMEOUT_S, prefer=consensus,
+                                                           prefer_donors=declarers)
+            self._wait_here(download.done, timeout_s=RESYNC_TIMEOUT_S)
+            state = download.result(timeout=1.0)
         except Exception as error:  # a timeout, or the averager shutting down: try again next round
             log.debug("state download failed: %r", error)
             state = None
@@ -627,8 +629,15 @@ class SwarmPeer:
         steps of the round are waited for (within the averaging timeout), to average with them."""
         if self._in_flight is None:
             return
-        while not (self._in_flight.pending.done() or self._give_up_round_if_alone()):
-            self.clock.refresh()  # not training, but here: a record made once would expire while we wait
+        self._wait_here(lambda: self._in_flight.pending.done() or self._give_up_round_if_alone())
+
+    def _wait_here(self, done: Callable[[], bool], timeout_s: float = float("inf")) -> None:
+        """Wait, without training, until `done()` or `timeout_s`, making the progress record anew meanwhile: others
+        count a peer whose record is a record's lifetime old (8 s) as gone, and their next group would expect one
+        peer fewer."""
+        deadline = time.monotonic() + timeout_s
+        while not done() and time.monotonic() < deadline:
+            self.clock.refresh()
             time.sleep(0.1)
 
     def _give_up_round_if_alone(self) -> bool:

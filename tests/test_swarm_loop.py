@@ -7,9 +7,11 @@ the other peers' progress. tests/test_swarm.py runs the same loop end to end ove
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import re
+import threading
 import time
 
 import pytest
@@ -116,8 +118,18 @@ class ScriptedAverager:
         return self.rounds(len(self.started), pseudo_gradient, metadata)
 
     def load_state_from_peers(self, wait=True, timeout=None, prefer=None, prefer_donors=()):
+        """`donor()`, called in a thread of its own as the averager's process would download it."""
         self.downloads += 1
-        return self.donor() if self.donor else None
+        download = concurrent.futures.Future()
+
+        def run_donor() -> None:
+            try:
+                download.set_result(self.donor() if self.donor else None)
+            except Exception as error:  # noqa: BLE001  (as the download's, in the future)
+                download.set_exception(error)
+
+        threading.Thread(target=run_donor, daemon=True).start()
+        return download.result(timeout) if wait else download
 
     @property
     def banned_count(self) -> int:
@@ -505,7 +517,8 @@ def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_
         theirs = {"round": 0, "weights": fingerprint(list(theirs_before.values()))}
         return averaged_with_group(list(average.values()), [metadata, theirs, theirs])
 
-    def donor():
+    def donor():  # a download that takes a second, the peer waiting for it without training
+        time.sleep(1.0)
         weights, momentum = dict(theirs_before), {n: 0.1 * torch.ones_like(w) for n, w in theirs_before.items()}
         if donor_applied_the_round:
             after = replay(weights, [average], momentum)
@@ -514,7 +527,8 @@ def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_
         state = SwarmState(peer.run_hash, 1 if donor_applied_the_round else 0, 0, 0, weights, momentum, donor="peer-1")
         return state.to_wire()
 
-    peer = make_peer(corpus, tmp_path / "resync", rounds, donor=donor, max_steps=2 * H + 1)
+    clock = RecordingClock()
+    peer = make_peer(corpus, tmp_path / "resync", rounds, donor=donor, max_steps=2 * H + 1, clock=clock)
     theirs_before.update({n: w + 0.01 * torch.randn(w.shape, generator=generator) for n, w in peer.outer.weights.items()})
     with caplog.at_level(logging.INFO, logger="tscale_p2p"):
         peer.run()
@@ -524,6 +538,12 @@ def test_a_peer_out_of_step_with_its_group_downloads_the_state_and_declares_the_
     assert "differ from the group's (round 0" in caplog.text
     assert f"back in step with the swarm at round 1, weights {expected_base['weights']}" in caplog.text
     assert peer.averager.started[1][1] == expected_base  # round 2 is formed on the group's weights
+    # while it downloaded, its last record (as round 1 ended) was made anew, as it was, for a second
+    times_by_place: dict[tuple[int, int], list[float]] = {}
+    for record in clock.records:
+        if record.steps > 0:  # not the record it leaves with (no steps)
+            times_by_place.setdefault((record.epoch, record.steps), []).append(record.time)
+    assert max(max(times) - min(times) for times in times_by_place.values()) >= 0.5
 
 
 @pytest.mark.parametrize("caught", ["nobody", "banned", "rejected_once"])
