@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from swarm_convergence import bootstrap_address, start_bootstrap, stop_bootstrap
+from swarm_convergence import bootstrap_address, start_bootstrap, step_counts, stop_bootstrap
 from swarm_rounds import corpus, hog, launch_peer, stop_peers
 
 LAST = re.compile(r"round (\d+): averaged with (nobody|\d+ peer\(s\))[^\n]*?(?:weights (\w+))?$", re.MULTILINE)
@@ -73,21 +73,18 @@ def one_run(args, folder: Path, data: Path, max_steps: list[int]) -> bool:
     return passed
 
 
-def step_counts(text: str) -> list[int]:
-    """`--max-steps`: positive step counts, comma-separated."""
-    try:
-        counts = [int(n) for n in text.split(",")]
-    except ValueError:
-        counts = []
-    if len(counts) < 2 or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected two or more positive step counts, comma-separated, got {text!r}")
+def peer_step_counts(text: str) -> list[int]:
+    """`--max-steps`: swarm_convergence's `step_counts`, one per peer, of two peers or more (argparse type)."""
+    counts = step_counts(text)
+    if len(counts) < 2:
+        raise argparse.ArgumentTypeError(f"step counts of two peers or more separated by commas, got {text!r}")
     return counts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=6)
-    parser.add_argument("--max-steps", type=step_counts, default="280,400,240,280",
+    parser.add_argument("--max-steps", type=peer_step_counts, default="280,400,240,280",
                         help="each peer's own --max-steps, comma-separated")
     parser.add_argument("--steps", type=int, default=300, help="the run's schedule, in steps")
     parser.add_argument("--inner-steps", type=int, default=100)
