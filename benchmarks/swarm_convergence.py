@@ -224,7 +224,7 @@ TRIP_FIELDS = {"carry": "carry", "momentum": "outer_momentum", "rcarry": "reduce
                "up_error": "up_error", "down_error": "down_error", "opening_lr": "opening_outer_lr",
                "lr_peak": "outer_lr_peak", "opening_carry": "opening_carry", "opening_rcarry": "opening_reducer_carry",
                "opening_rfold": "opening_reducer_fold", "opening_down_error": "opening_down_error",
-               "opening_up_error": "opening_up_error", "rdrop": "return_drop"}
+               "opening_up_error": "opening_up_error"}
 # --apply-after-trips: key -> (row label, TRIPS key)
 APPLY_AFTER_TRIPS = {
     "exact": ("exact mean", "exact"),
@@ -302,21 +302,6 @@ def diloco_in_process(args, delay: int, outer_lr: float, averaging: str, peer_lr
                 error = {n: (exact_mean[n] - previous[n]) * (fold * len(peers)) for n in previous}
                 for residual, span in zip(residuals, reduced):
                     add_on_span(residual, error, span, len(peers))
-            drop = getattr(args, "return_drop", None)
-            following = args.first_rounds_plain and round_number + 1 < len(args.first_rounds)
-            damping = getattr(args, "opening_carry", OPENING_RESIDUAL_CARRY) if following else args.carry
-            if drop and damping:  # each sender carries X of its own sent values where no stage of the return came
-                for residual, sent in zip(residuals[:-1], deltas):  # /damping: it is damped as the next round begins
-                    for n, tensor in residual.items():
-                        tensor.add_((drop / damping * sent[n] * (previous[n] == 0)).view_as(tensor))
-                if os.environ.get("RDROP_STATS"):
-                    zero = sum(int((m == 0).sum()) for m in previous.values())
-                    total = sum(m.numel() for m in previous.values())
-                    lost = sum(float((exact_mean[n] * (previous[n] == 0)).square().sum()) for n in previous)
-                    energy = sum(float(m.square().sum()) for m in exact_mean.values())
-                    err = sum(float((exact_mean[n] - previous[n]).square().sum()) for n in previous)
-                    print(f"round {round_number}: zero {zero / total:.3f} of values, {lost / energy:.3f} of energy, "
-                          f"{lost / err:.3f} of the return error", flush=True)
         if on_round is not None and on_round(start + steps, copy.deepcopy(outers[0]).step(previous, plain=plain)):
             break
     outers[0].step(previous, plain=plain)  # the last average arrives after training: apply it
@@ -431,8 +416,7 @@ def trip_spec(spec: str) -> tuple[str, str, dict]:
     --opening-outer-lr; lr_peak: join's --outer-lr-peak; opening_carry: damped-ef's carry into those rounds, join's
     by default; opening_rcarry, opening_up_error, opening_down_error: rcarry, up_error, down_error for those rounds
     alone; opening_rfold: in those rounds each reducer adds X x the group size x its span's return-trip error to
-    its own sender residual; rdrop: each sender adds X of its own sent part where a block of the returned average
-    has no stage to its residual, and RDROP_STATS=1 prints each round's share of such blocks):
+    its own sender residual):
     (row label, TRIPS key, overrides). ValueError, naming the entry, where it is not one."""
     key, *options = spec.split(";")
     key, _, codec = key.partition("@")
