@@ -5,6 +5,7 @@ left running."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -52,6 +53,14 @@ class Command:
 
     def stacks(self) -> str:
         return stacks(self.popen, self.err)
+
+    def descendants_besides(self, *names: str) -> list[str]:
+        """The names of this command's live descendant processes, but for `names`."""
+        found = []
+        for process in self.process.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found.append(process.name())
+        return [name for name in found if name not in names]
 
     def ctrl_c(self, timeout: float) -> tuple[int, list[psutil.Process]]:
         """SIGINT to the process group, as a terminal sends it; (exit code, descendants still alive after)."""
@@ -158,8 +167,10 @@ def test_ctrl_c_during_an_infer_fetch_says_one_line_and_exits_130(tmp_path):
         infer = Command(tmp_path, "infer", "--initial-peers", *maddrs, "--run-id", "unserved", "--prompt", "the",
                         "--device", "cpu", "--no-compile")
         try:
-            # The DHT process, its p2pd and the averager that downloads: the fetch is under way.
-            infer.wait_until(lambda: len(infer.process.children(recursive=True)) >= 3, "download")
+            # The DHT process, its p2pd and the averager that downloads: the fetch is under way. (torch's
+            # torch_shm_manager is a child too, so a count alone can be reached before p2pd is.)
+            infer.wait_until(lambda: len(infer.descendants_besides("torch_shm_manager")) >= 3
+                             and "p2pd" in infer.descendants_besides(), "download")
             code, alive = infer.ctrl_c(timeout=30)
         finally:
             infer.kill()
